@@ -327,7 +327,7 @@ class TlsFolder:
         self.path = state_dir / TLS_FOLDER
 
     def _ensure(self) -> None:
-        self.path.mkdir(mode=0o700, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def account_key(self) -> Any:
         """Return the ACME account's key, made (and kept) on first use."""
