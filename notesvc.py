@@ -21121,7 +21121,7 @@ class TlsFolder:
         self.path = state_dir / TLS_FOLDER
 
     def _ensure(self) -> None:
-        self.path.mkdir(mode=0o700, exist_ok=True)
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def account_key(self) -> Any:
         """Return the ACME account's key, made (and kept) on first use."""
@@ -34068,8 +34068,10 @@ def list_changes(svc: Service) -> dict:
     if page["changes"] or not wait:
         return page
     # A waiting feed holds a worker thread: at most max_waiters at once, so the others
-    # keep serving (relayed requests have their own small pool: half of it).
-    if bottle.request.environ.get("notesvc.relayed"):
+    # keep serving (relayed requests have their own small pool: half of it; spliced ones,
+    # served by waitress as direct ones are, share the direct pool).
+    env = bottle.request.environ
+    if env.get("notesvc.relayed") and not env.get("notesvc.spliced"):
         pool, cap = "relay", min(svc.config.max_waiters, RELAY_WORKERS // 2)
     else:
         pool, cap = "direct", svc.config.max_waiters
@@ -35559,7 +35561,8 @@ def _receive_import_form(svc: Service, parsed: Any, spool: Any, fields: dict) ->
 def get_export(svc: Service):
     """GET /export.zip: the notes, attachments and other files the key sees, streamed."""
     principal = request_principal()
-    if bottle.request.environ.get("notesvc.relayed"):  # the relay carries bounded answers
+    env = bottle.request.environ
+    if env.get("notesvc.relayed") and not env.get("notesvc.spliced"):  # bounded by the relay
         total = sum(st.st_size for _, _, st in export_files(svc.config.root, principal))
         if total > svc.config.max_body_bytes:
             raise too_large_for_relay(total, svc.config.max_body_bytes)

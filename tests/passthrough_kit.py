@@ -278,8 +278,10 @@ class TlsClient:
     """HTTP/1.1 over TLS to <name>:<port> on loopback (keep-alive), verifying the chain
     against `root` and the name; `peer_der` is the certificate the server showed."""
 
-    def __init__(self, port: int, name: str, root, timeout: float = 15):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    def __init__(self, port: int, name: str, root, timeout: float = 15, source: str = ""):
+        self.sock = socket.create_connection(
+            ("127.0.0.1", port), timeout=timeout, source_address=(source, 0) if source else None
+        )
         try:
             self.tls = client_context(root).wrap_socket(self.sock, server_hostname=name)
         except BaseException:

@@ -8,6 +8,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import re
 import secrets
 import shutil
@@ -409,3 +410,138 @@ class TestRenewal:
             assert found
             assert found[0]["severity"] == "medium"
             assert "keeps serving until" in found[0]["detail"]
+
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+STREAM_MODULE = "/usr/lib/nginx/modules/ngx_stream_module.so"
+
+
+class TestScaleOut:
+    """deploy/nginx-passthrough.conf: two passthrough relays behind nginx's stream module
+    (by SNI) and its http module (the relay's own name), the challenge records in Knot by
+    RFC 2136 updates, pebble asking Knot."""
+
+    pytestmark = REAL
+
+    @pytest.mark.skipif(not NGINX, reason="nginx is not installed (apt install nginx)")
+    @pytest.mark.skipif(
+        not os.path.exists(STREAM_MODULE),
+        reason="nginx's stream module is not installed (apt install libnginx-mod-stream)",
+    )
+    def test_two_relays_behind_nginx_splice_each_servers_clients_to_its_relay(
+        self, tmp_path, test_ca
+    ):
+        from passthrough_kit import Knot, free_port
+
+        knot = Knot(tmp_path / "knot")
+        relays, servers, nginx, pebble = [], [], None, None
+        try:
+            ports = [free_port(), free_port()]
+            front, site = free_port(), free_port()
+            cert, key = test_ca.files("nginx-site", [DOMAIN], ("127.0.0.1",))
+            conf = (Path(__file__).parent.parent / "deploy" / "nginx-passthrough.conf").read_text()
+            for old, new in (
+                ("127.0.0.1:8441", f"127.0.0.1:{ports[0]}"),
+                ("127.0.0.1:8442", f"127.0.0.1:{ports[1]}"),
+                ("127.0.0.1:8443", f"127.0.0.1:{site}"),
+                ("listen 443;", f"listen 127.0.0.1:{front};"),
+                (r"relay\.example\.org", r"relay\.test"),
+                ("relay.example.org", DOMAIN),
+                ("/etc/letsencrypt/live/relay.test/fullchain.pem", str(cert)),
+                ("/etc/letsencrypt/live/relay.test/privkey.pem", str(key)),
+                ("http {\n", "http {\n    access_log off; client_body_temp_path tmp; "
+                 "proxy_temp_path tmp;\n"),
+            ):  # fmt: skip
+                assert old in conf, old
+                conf = conf.replace(old, new)
+            (tmp_path / "logs").mkdir()
+            (tmp_path / "tmp").mkdir()
+            (tmp_path / "nginx.conf").write_text(
+                f"load_module {STREAM_MODULE};\n"
+                "daemon off; master_process off; pid nginx.pid; error_log logs/error.log warn;\n"
+                "events { worker_connections 1024; }\n" + conf
+            )
+            env = {
+                "SERVICE_TRUST_PROXY": "true",
+                "SERVICE_PUBLIC_URL": f"https://{DOMAIN}:{front}",
+                "SERVICE_RELAY_DNS_UPDATE": f"127.0.0.1:{knot.port}",
+                "SERVICE_RELAY_DNS_TSIG": knot.tsig,
+                "SERVICE_RELAY_TLS_CERT": "",
+                "SERVICE_RELAY_TLS_KEY": "",
+            }
+            for i, port in enumerate(ports):
+                env["SERVICE_RELAY_TLS_PORT"] = str(port)
+                relays.append(passthrough_relay(tmp_path / f"relay{i}", test_ca, port=port, **env))
+            nginx = subprocess.Popen(
+                [NGINX, "-p", str(tmp_path), "-c", "nginx.conf"],
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            pebble = Pebble(tmp_path / "pebble", test_ca, f"127.0.0.1:{knot.port}")
+            link = f"https://127.0.0.1:{front}"  # no SNI: nginx's own site, TLS for relay.test
+
+            def up() -> bool:
+                assert nginx.poll() is None, nginx.stderr.read()
+                with contextlib.suppress(OSError):
+                    status, info = tls_json(front, DOMAIN, test_ca.path, "GET", "/relay/v1/info")
+                    return status == 200 and info
+                return False
+
+            info = wait_for(up)["data"]
+            assert info["passthrough"] is True
+            assert info["tlsPort"] == front
+            held = lambda r: r.request("GET", "/health")[2]["data"]["passthrough"]["servers"]  # noqa: E731
+            for i in range(10):  # until both relays hold a server in passthrough
+                server = Server(
+                    tmp_path / f"srv{i}",
+                    env={
+                        "SERVICE_RELAY_URL": link,
+                        "SSL_CERT_FILE": str(test_ca.path),  # the link's certificate
+                        "SERVICE_ACME_DIRECTORY": pebble.directory,
+                        "SERVICE_ACME_CA_FILE": str(test_ca.path),
+                    },
+                )
+                servers.append(server)
+                server.key = server.request("GET", "/api/v1/system/setup")[2]["data"]["apiKey"]
+                wait_passthrough(server, server.key, timeout=60)
+                count = len(servers)
+                wait_for(lambda count=count: sum(map(held, relays)) == count)
+                if len(servers) >= 2 and all(map(held, relays)):
+                    break
+            assert all(map(held, relays)), "every server landed on one relay"
+            for n, server in enumerate(servers):
+                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                name = f"{setup['serverId']}.{DOMAIN}"
+                assert setup["links"]["relayApiBase"] == f"https://{name}:{front}{API}"
+                # the server's link finishes setup directly, then a client far away links
+                linked = server.request("POST", f"{API}/auth/link", {"clientName": "home"},
+                                        {"X-Service-Key": server.key})  # fmt: skip
+                assert linked[0] == 200
+                client = TlsClient(front, name, pebble.root_path, source=f"127.0.0.{20 + n}")
+                try:
+                    status, _h, raw = client.request(
+                        "GET", f"{API}/system/info", headers={"X-Service-Key": server.key}
+                    )
+                    assert status == 200
+                    assert json.loads(raw)["data"]["serverId"] == setup["serverId"]
+                    body = json.dumps({"clientName": f"far-{n}"}).encode()
+                    headers = {"X-Service-Key": server.key, "Content-Type": "application/json"}
+                    assert client.request("POST", f"{API}/auth/link", body, headers)[0] == 200
+                finally:
+                    client.close()
+                # the client's address came through nginx (PROXY v1), then the relay (v2)
+                said = f"client 'far-{n}' linked from relay:127.0.0.{20 + n}"
+                wait_for(lambda s=server, t=said: t in "".join(s.lines))
+                values = knot.txt(setup["serverId"])
+                assert values == []  # each challenge record withdrawn once used
+            assert "DDNS" in knot.log.read_text()  # the records went to Knot
+        finally:
+            for server in servers:
+                server.stop()
+            if nginx is not None:
+                nginx.terminate()
+                nginx.wait(10)
+                nginx.stderr.close()
+            for part in (pebble, *relays, knot):
+                if part is not None:
+                    part.stop()

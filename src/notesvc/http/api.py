@@ -828,8 +828,10 @@ def list_changes(svc: Service) -> dict:
     if page["changes"] or not wait:
         return page
     # A waiting feed holds a worker thread: at most max_waiters at once, so the others
-    # keep serving (relayed requests have their own small pool: half of it).
-    if bottle.request.environ.get("notesvc.relayed"):
+    # keep serving (relayed requests have their own small pool: half of it; spliced ones,
+    # served by waitress as direct ones are, share the direct pool).
+    env = bottle.request.environ
+    if env.get("notesvc.relayed") and not env.get("notesvc.spliced"):
         pool, cap = "relay", min(svc.config.max_waiters, RELAY_WORKERS // 2)
     else:
         pool, cap = "direct", svc.config.max_waiters
