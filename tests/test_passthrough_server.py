@@ -545,3 +545,62 @@ class TestScaleOut:
             for part in (pebble, *relays, knot):
                 if part is not None:
                     part.stop()
+
+
+CERTUTIL = shutil.which("certutil")
+
+
+class TestInChromium:
+    """The web client through the relay, its TLS ended on the server: Chromium trusts
+    pebble's root through an NSS database in a test HOME, and resolves relay.test names
+    to loopback."""
+
+    pytestmark = [
+        pytest.mark.browser,
+        pytest.mark.real_server,
+        pytest.mark.slow,
+        pytest.mark.xdist_group("browser"),
+    ]
+
+    def test_the_web_client_signs_in_and_saves_on_the_servers_https_origin(self, tmp_path, test_ca):
+        sync_api = pytest.importorskip("playwright.sync_api")
+        from browsers import CHROMIUM, CHROMIUM_ARGS, WebSession
+
+        if not CHROMIUM:
+            pytest.skip("no Chromium on this machine")
+        if not CERTUTIL:
+            pytest.skip("certutil is not installed (apt install libnss3-tools)")
+        with acme_pair(tmp_path / "pt", test_ca) as pt:
+            home = tmp_path / "home"
+            nssdb = home / ".pki" / "nssdb"
+            nssdb.mkdir(parents=True)
+            subprocess.run([CERTUTIL, "-d", f"sql:{nssdb}", "-N", "--empty-password"], check=True)
+            subprocess.run(
+                [CERTUTIL, "-d", f"sql:{nssdb}", "-A", "-t", "C,,", "-n", "pebble root",
+                 "-i", str(pt.pebble.root_path)],
+                check=True,
+            )  # fmt: skip
+            setup = pt.server.request("GET", f"{API}/system/setup")[2]["data"]
+            hosted = setup["links"]["connect"]["hosted"]
+            assert hosted.startswith(pt.origin + "/?relayCode=")
+            rules = f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1"
+            with sync_api.sync_playwright() as playwright:
+                chromium = playwright.chromium.launch(
+                    executable_path=CHROMIUM,
+                    args=[*CHROMIUM_ARGS, rules],
+                    env={**os.environ, "HOME": str(home)},
+                )
+                try:
+                    web = WebSession(chromium, tmp_path, "desktop")
+                    web.login(hosted, pt.key)
+                    assert web.page.evaluate("location.origin") == pt.origin
+                    assert web.page.evaluate("window.isSecureContext") is True
+                    path = web.write_new("Through the relay\n\nit cannot read this line")
+                    web.shot("passthrough")
+                    errors = web.close()
+                finally:
+                    chromium.close()
+            assert "it cannot read this line" in (pt.root / path).read_text()
+            assert not [e for e in errors if "ERR_CERT" in e]
+            spliced = connection_of(pt.server, pt.key)["passthrough"]["spliced"]
+            assert spliced["served"] >= 1
