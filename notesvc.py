@@ -31,6 +31,8 @@ data flows, each with the first line of its docstring:
   search/persistence.py   The index on disk: segment files, the manifest, crash safety.
   search/helper.py        The index's helper process: its entry point, its protocol, starting and
                           stopping it.
+  search/masks.py         Reach masks: which notes of each index segment a reach holds, their counts
+                          and lengths.
   search/index.py         SearchIndex: building, updating and querying the inverted index.
   search/vectors.py       Search by meaning: notes cut into chunks, the vectors of the chunks, the
                           semantic pass.
@@ -38,6 +40,8 @@ data flows, each with the first line of its docstring:
   auth.py                 state.json, keys, JWT and the lockout.
   grants.py               Grants: who a request acts for (scoped keys, devices, OAuth) and how far
                           it may go.
+  people.py               People on one server: each with a home folder, and the folders shared
+                          between them.
   service.py              Service: the object every handler gets as `svc`.
   providers/base.py       Provider records, outbound HTTP, retrieval and the TOOLS registry.
   providers/agent.py      Agent providers: answering with a model.
@@ -81,6 +85,8 @@ data flows, each with the first line of its docstring:
                           6578).
   http/feed.py            The calendar feed: /ics/<secret>.ics, the tasks as a read-only iCalendar
                           file.
+  http/people.py          Handlers for people and shared folders: a household on one server
+                          (docs/api.md: People).
   http/routes.py          The route table and OpenAPI.
   http/app.py             NotesApp (the middleware) and create_app.
   cli.py                  The command line: parser, cmd_* functions, main().
@@ -198,6 +204,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+import weakref
 import zlib
 from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Mapping, Sequence, Sized
@@ -4921,6 +4928,12 @@ class NoteStore(FileTree):
         # who makes the change in progress, as its versions name it (savedBy): the Service
         # sets it to the request's grant's name; None: the owner, the server itself
         self.actor: Callable[[], str | None] = lambda: None
+        # guard(path): a context around one change of path, entered under the note's lock
+        # before anything changes: it raises when the request under way may no longer
+        # change path (its key revoked, its person's share removed since its key was
+        # checked), and a revocation waits for the changes inside it (the Service sets it:
+        # Service.writing; nothing by default)
+        self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -5150,11 +5163,25 @@ class NoteStore(FileTree):
     def list_page(
         self, folder: str, limit: int, offset: int, sort: str = "path", fields: Iterable = ()
     ) -> dict:
-        """Return a page of note records (no content): by path, or newest first (`sort`
-        "modified"); `fields` may add each note's `preview` and `tags`."""
-        if folder != NOTES and not os.path.isdir(self.file_of(folder)):
-            raise not_found(f"no folder at {folder}")
-        paths = self.by_modified(folder) if sort == "modified" else self.walk(folder)
+        """Return a page of note records (no content) of a folder, or of several (the
+        folders a grant reaches beneath the one asked: those not there yet hold nothing):
+        by path, or newest first (`sort` "modified"); `fields` may add each note's `preview`
+        and `tags`."""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        if len(folders) == 1:
+            folder = folders[0]
+            if folder != NOTES and not os.path.isdir(self.file_of(folder)):
+                raise not_found(f"no folder at {folder}")
+            paths = self.by_modified(folder) if sort == "modified" else self.walk(folder)
+        else:
+            found = []
+            for f in folders:
+                if not os.path.isdir(self.file_of(f)):
+                    continue  # a folder a grant reaches that is not there yet
+                for path, e in self._entries(f):
+                    with contextlib.suppress(OSError):  # removed meanwhile
+                        found.append((-e.stat().st_mtime_ns if sort == "modified" else 0, path))
+            paths = [path for _, path in sorted(found)]
         page = []
         for path in paths[offset : offset + limit]:
             try:
@@ -5395,6 +5422,7 @@ class NoteStore(FileTree):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
             was = _moved_from(path, new)
             with (
+                self.guard(new),  # (and the path it leaves, in _changing)
                 self._changing(path, data, "moved", new=was),
                 self._new_parents(dst),
                 disk_writes(),
@@ -5470,26 +5498,27 @@ class NoteStore(FileTree):
         HistoryStore.keep) when the change replaces the note's file by a rename: then it
         gives what atomic_write must run before that rename. `new`: the content written
         (the version's summary counts the lines it changed), or a summary in words."""
-        journal, history = self.journal, self.history
-        if journal is not None:
-            journal.reserve()
-        try:
-            keep = history is not None and old is not None
-            vid = history.keep(path, old, reason, inode) if keep else None
-        except BaseException:
+        with self.guard(path):
+            journal, history = self.journal, self.history
             if journal is not None:
-                journal.release()
-            raise
-        try:
-            yield (lambda: history.durable(path)) if vid and inode else None
-        except BaseException:
+                journal.reserve()
+            try:
+                keep = history is not None and old is not None
+                vid = history.keep(path, old, reason, inode) if keep else None
+            except BaseException:
+                if journal is not None:
+                    journal.release()
+                raise
+            try:
+                yield (lambda: history.durable(path)) if vid and inode else None
+            except BaseException:
+                if vid:
+                    history.discard(path, vid)
+                if journal is not None:
+                    journal.release()
+                raise
             if vid:
-                history.discard(path, vid)
-            if journal is not None:
-                journal.release()
-            raise
-        if vid:
-            history.settle(path, vid, self._version_meta(old, new))
+                history.settle(path, vid, self._version_meta(old, new))
 
     def _version_meta(self, old: bytes | None, new: bytes | str | None) -> dict:
         """Return {savedBy, summary} of the change a version is kept for."""
@@ -5755,6 +5784,7 @@ class AttachmentStore(FileTree):
         self.trash = trash
         self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
+        self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()  # NoteStore's
 
     def make_root(self) -> None:
         """Create the attachments folder when it is missing: private (0700, as the notes
@@ -5822,10 +5852,17 @@ class AttachmentStore(FileTree):
                 count += 1
         return count, size
 
-    def list_page(self, folder: str, limit: int, offset: int) -> dict:
-        if folder != ATTACHMENTS and not os.path.isdir(self.file_of(folder)):
-            raise not_found(f"no folder at {folder}")
-        found = sorted(self._entries(folder), key=lambda item: item[0])
+    def list_page(self, folder: str | tuple, limit: int, offset: int) -> dict:
+        """Return a page of the files of a folder, or of several (those not there yet hold
+        nothing), by path."""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        lone = folders[0] if len(folders) == 1 else ATTACHMENTS
+        if lone != ATTACHMENTS and not os.path.isdir(self.file_of(lone)):
+            raise not_found(f"no folder at {lone}")
+        found = sorted(
+            (item for f in folders if os.path.isdir(self.file_of(f)) for item in self._entries(f)),
+            key=lambda item: item[0],
+        )
         page = []
         for path, e in found[offset : offset + limit]:
             try:
@@ -5887,7 +5924,7 @@ class AttachmentStore(FileTree):
                 if unique:
                     path, target = self._free(path, target)
                 exists = self.check(path, if_match, if_none_match)
-                with self._new_parents(target, path):
+                with self.guard(path), self._new_parents(target, path):
                     os.chmod(tmp, 0o666 & ~UMASK)
                     self._rename(tmp, target)
                 fsync_dir(target.parent)
@@ -5940,7 +5977,7 @@ class AttachmentStore(FileTree):
             dst = self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"an attachment already exists at {new}")
-            with self._new_parents(dst, new), disk_writes():
+            with self.guard(path), self.guard(new), self._new_parents(dst, new), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
@@ -5952,7 +5989,7 @@ class AttachmentStore(FileTree):
         with self._lock:
             src = self.file_of(path)
             check_etag(if_match, self.get(path)["etag"], "attachment")
-            trashed = move_to_trash(src, self.trash, path)
+            trashed = move_to_trash(src, self.trash, path, self.guard(path))
             self._prune(src.parent)
         return {"path": path, "deleted": True, **trashed}
 
@@ -5979,7 +6016,7 @@ class AttachmentStore(FileTree):
             dst = self.file_of(path)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"an attachment already exists at {path}")
-            with self._new_parents(dst, path), disk_writes():
+            with self.guard(path), self._new_parents(dst, path), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             return self.record(path, os.stat(dst))
@@ -7813,6 +7850,14 @@ class MemorySegment:
         docs, needle = self.docs, "".join(chars)
         return [d for d in cands if needle in docs[d][4 + f]]
 
+    def ids_under(self, prefix: str) -> list:
+        """Return the ids of the notes (deleted ones too) whose paths start with prefix."""
+        return [d for d, doc in enumerate(self.docs) if doc.path.startswith(prefix)]
+
+    def field_lengths(self, f: int) -> list:
+        """Return every note's length in a field (tokens), by id."""
+        return [len(doc[4 + f]) for doc in self.docs]
+
     def in_folder(self, cands: set, prefix: str) -> set:
         docs = self.docs
         return {d for d in cands if docs[d].path.startswith(prefix)}
@@ -8246,6 +8291,15 @@ class DiskSegment:
         """Per field: (start offsets, end offsets) of the notes' term strings, by note id."""
         off = self._tok_off
         return (off[0:-1:2], off[1::2]), (off[1::2], off[2::2])
+
+    def ids_under(self, prefix: str) -> memoryview:
+        """Return the ids of the notes (deleted ones too) whose paths start with prefix."""
+        target = prefix.encode()
+        return self._by_path[self._path_pos(target) : self._path_pos(target + b"\xff")]
+
+    def field_lengths(self, f: int) -> memoryview:
+        """Return every note's length in a field (tokens), by id."""
+        return self._dl[f::2]
 
     def in_folder(self, cands: set, prefix: str) -> set:
         target = prefix.encode()
@@ -9273,6 +9327,144 @@ class EarlyHelper:
         return helper
 
 
+# == src/notesvc/search/masks.py ==============================================
+# Reach masks: which notes of each index segment a reach holds, their counts and lengths.
+
+MAX_REACHES = 64  # reaches whose masks are kept (a person's grants share one)
+MAX_MASK_BYTES = 8 << 20  # and about this many bytes of masks and frequencies in all
+MAX_FREQUENCIES = 4096  # document frequencies kept per segment mask
+FREQUENCY_BYTES = 160  # what one kept frequency costs (its dict slot, key tuple and ints)
+
+
+class SegmentMask:
+    """One reach's view of one segment: a byte per note (1: live and reached), how many
+    notes that is, their summed field lengths, and the document frequencies asked lately."""
+
+    __slots__ = ("dfs", "lens", "live", "mask", "n_at", "zeroed")
+
+    def __init__(self, seg, prefixes: tuple):
+        self.mask = bytearray(seg.n)
+        for prefix in prefixes:
+            deque(map(self.mask.__setitem__, seg.ids_under(prefix), itertools.repeat(1)), 0)
+        self.n_at = seg.n
+        self.zeroed: set = set()
+        self.live = self.mask.count(1)
+        self.lens = [sum(itertools.compress(seg.field_lengths(f), self.mask)) for f in (0, 1)]
+        self.dfs: dict = {}
+        self.refresh(seg, prefixes)
+
+    def refresh(self, seg, prefixes: tuple) -> None:
+        """Fold in the notes a memory segment took since, and the deletions of any segment."""
+        mask = self.mask
+        if seg.n > self.n_at:
+            for d in range(self.n_at, seg.n):
+                held = seg.path(d).startswith(prefixes)
+                mask.append(held)
+                if held:
+                    self.live += 1
+                    self.lens[0] += seg.dl(d, 0)
+                    self.lens[1] += seg.dl(d, 1)
+            self.n_at = seg.n
+            self.dfs.clear()
+        if len(seg.deleted) != len(self.zeroed):
+            for d in seg.deleted.difference(self.zeroed):
+                if d < len(mask) and mask[d]:
+                    mask[d] = 0
+                    self.live -= 1
+                    self.lens[0] -= seg.dl(d, 0)
+                    self.lens[1] -= seg.dl(d, 1)
+            self.zeroed = set(seg.deleted)
+            self.dfs.clear()
+
+    def df(self, seg, key, f: int) -> int:
+        """Return how many reached live notes of the segment hold a term in a field."""
+        found = self.dfs.get((key, f))
+        if found is None:
+            p = seg.postings(key, f)
+            found = bytes(map(self.mask.__getitem__, p[0])).count(1) if p else 0
+            if len(self.dfs) >= MAX_FREQUENCIES:
+                self.dfs.clear()
+            self.dfs[(key, f)] = found
+        return found
+
+    def positions(self, ids) -> list:
+        """Return the positions in a posting list of the ids this mask holds."""
+        return list(itertools.compress(range(len(ids)), map(self.mask.__getitem__, ids)))
+
+
+class ReachMasks:
+    """The masks of one reach over a list of segments (as SearchIndex.search holds them)."""
+
+    __slots__ = ("masks", "segs")
+
+    def __init__(self, segs: list, masks: list):
+        self.segs, self.masks = segs, masks
+
+    def count(self) -> int:
+        return sum(m.live for m in self.masks)
+
+    def averages(self) -> tuple:
+        """Return the reached notes' average (body, title) lengths (1.0 with none)."""
+        n = self.count()
+        if not n:
+            return 1.0, 1.0
+        return tuple(max(sum(m.lens[f] for m in self.masks) / n, 1.0) for f in (0, 1))
+
+    def df(self, si: int, key, f: int) -> int:
+        return self.masks[si].df(self.segs[si], key, f) if key is not None else 0
+
+
+class MaskCache:
+    """The masks of the reaches searched lately, least recently used dropped first (at most
+    MAX_REACHES reaches and MAX_MASK_BYTES). Callers hold the index's lock."""
+
+    LIMITS = (MAX_REACHES, MAX_MASK_BYTES)
+
+    def __init__(self):
+        # prefixes -> {segment: its mask}, weakly: a segment merged away goes with its masks
+        self._reaches: collections.OrderedDict = collections.OrderedDict()
+        self._asked = 0  # searches since the sizes were last added up
+
+    def of(self, segs: list, prefixes: tuple) -> ReachMasks:
+        """Return a reach's masks over `segs` (made or brought up to date)."""
+        kept = self._reaches.pop(prefixes, None)
+        if kept is None:
+            kept = weakref.WeakKeyDictionary()
+        self._reaches[prefixes] = kept
+        masks, made = [], False
+        for seg in segs:
+            mask = kept.get(seg)
+            if mask is None:
+                mask = kept[seg] = SegmentMask(seg, prefixes)
+                made = True
+            else:
+                mask.refresh(seg, prefixes)
+            masks.append(mask)
+        self._asked += 1
+        if made or self._asked >= 32:  # (the frequencies grow a little a search)
+            self._asked = 0
+            self._trim()
+        return ReachMasks(segs, masks)
+
+    def reaches(self) -> list:
+        """Return the reaches whose masks are kept, least recently used first."""
+        return list(self._reaches)
+
+    def _trim(self) -> None:
+        most, most_bytes = self.LIMITS
+
+        def cost(kept) -> int:
+            return sum(len(m.mask) + FREQUENCY_BYTES * len(m.dfs) for m in list(kept.values()))
+
+        size = sum(map(cost, self._reaches.values()))
+        while len(self._reaches) > 1 and (len(self._reaches) > most or size > most_bytes):
+            _, gone = self._reaches.popitem(last=False)
+            size -= cost(gone)
+
+    def clear(self) -> None:
+        self._reaches.clear()
+
+
 # == src/notesvc/search/index.py ==============================================
 # SearchIndex: building, updating and querying the inverted index.
 
@@ -9318,6 +9510,12 @@ class _Progress:
             log.info("indexing: %d of %d notes indexed", self.done, self.total)
 
 
+def folder_prefixes(folder: str | tuple) -> tuple:
+    """Return the path prefixes ("notes/a/") of a folder or of several (() for every note)."""
+    folders = (folder,) if isinstance(folder, str) else tuple(folder)
+    return tuple(f.rstrip("/") + "/" for f in folders if f)
+
+
 SORT_UP_TO = 512  # fewer items: sorted() in C beats heapq.nlargest's Python loop (3x at 20)
 
 
@@ -9340,11 +9538,11 @@ def _best(scores: dict, m: int) -> tuple:
 class _Match:
     """One segment's candidates for a query, with approximate scores (stored impacts)."""
 
-    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None):
+    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None, mask=None):
         self.seg, self.comps, self.hi = seg, comps, hi
         self.scores = scores  # {id: approximate score}, or None: the one-word fast path
         self.total = len(scores) if scores is not None else 0
-        self._single: dict = {}
+        self.mask = mask  # the one-word fast path within a reach: its SegmentMask
 
     def top(self, m: int) -> tuple:
         """Return ([(approx, id)] of the m best, in no order, bound on the approx of every
@@ -9354,8 +9552,9 @@ class _Match:
         return self._top_single(m)
 
     def count_single(self) -> None:
-        """Count the notes holding the word (body or title), deleted ones aside."""
-        deleted = self.seg.deleted
+        """Count the notes holding the word (body or title), deleted ones aside (and, within
+        a reach, the ones outside it)."""
+        mask = self.mask
         body = title = None
         for comp in self.comps:
             if comp[3] == 0:
@@ -9364,11 +9563,20 @@ class _Match:
                 title = comp
         self.body, self.title = body, title
         self.title_scores: dict = {}
-        total = len(body[1]) - body[5] if body else 0
+        self.deleted = self.seg.deleted if mask is None else ()  # a mask holds live notes
+        if body is None:
+            self.body_at: Sequence = ()
+        elif mask is None:
+            self.body_at = range(len(body[1]))
+        else:
+            self.body_at = mask.positions(body[1])
+        total = len(self.body_at) - (body[5] if body and mask is None else 0)
+        held = mask.mask if mask is not None else None
+        deleted = self.deleted
         if title:
             w, ids, imps = title[:3]
             for d, imp in zip(ids, imps):
-                if d in deleted:
+                if d in deleted or (held is not None and not held[d]):
                     continue
                 self.title_scores[d] = w * imp
                 if body is None or sorted_position(body[1], d) < 0:
@@ -9380,10 +9588,10 @@ class _Match:
         bound = 0.0
         if self.body:
             w, ids, imps = self.body[:3]
-            deleted = self.seg.deleted
+            deleted = self.deleted
             want = m + len(scores) + len(deleted) + 1
-            idx = range(len(ids))
-            if want < len(ids):
+            idx = self.body_at
+            if want < len(idx):
                 idx = _largest(want, idx, imps.__getitem__)
                 bound = w * imps[idx[-1]]
             taken = set()
@@ -9461,6 +9669,7 @@ class SearchIndex:
         self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
         self._texts = TextCache()  # the texts snippets were cut from lately
+        self._masks = MaskCache()  # which notes of each segment the reaches searched hold
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
         # kept up to date by single adds and removals (folder_counts)
@@ -9937,16 +10146,22 @@ class SearchIndex:
 
     # -- searching -----------------------------------------------------------------------
 
-    def _terms(self, segs: list, n: int, stems: list) -> tuple:
+    def _terms(self, segs: list, n: int, stems: list, masks: ReachMasks | None = None) -> tuple:
         """Return ({stem: [key per segment]}, {stem: (body weight, title weight)},
-        {stem: [live body df, live title df]})."""
+        {stem: [live body df, live title df]}); within a reach (`masks`), its notes' df."""
         per_seg = [seg.keys(stems) for seg in segs]
         keys, weights, dfs = {}, {}, {}
         for j, s in enumerate(stems):
             ks = [found[j] for found in per_seg]
             df = [0, 0]
+            if masks is not None:
+                df = [sum(masks.df(si, k, f) for si, k in enumerate(ks)) for f in (0, 1)]
+                ks = [
+                    k if k is not None and (masks.df(si, k, 0) or masks.df(si, k, 1)) else None
+                    for si, k in enumerate(ks)
+                ]
             for seg, k in zip(segs, ks):
-                if k is not None:
+                if k is not None and masks is None:
                     for f in (0, 1):
                         p = seg.postings(k, f)
                         if p:
@@ -9955,24 +10170,24 @@ class SearchIndex:
             weights[s] = (bm25_weight(n, df[0], "body"), bm25_weight(n, df[1], "title"))
         return keys, weights, dfs
 
-    def _expand(self, segs: list, n: int, prefix: str) -> list:
+    def _expand(self, segs: list, n: int, prefix: str, masks: ReachMasks | None = None) -> list:
         """Return up to MAX_PREFIX_TERMS stems of words starting with prefix, commonest first
-        (of the first 16 * MAX_PREFIX_TERMS such words, in order)."""
+        (of the first 16 * MAX_PREFIX_TERMS such words, in order; within a reach, its)."""
         cap = 16 * MAX_PREFIX_TERMS
         words: dict = {}
         for seg in segs:
             for w, s in seg.prefix_words(prefix, cap):
                 words.setdefault(w, s)
         stems = sorted({words[w] for w in sorted(words)[:cap]})
-        _, _, dfs = self._terms(segs, n, stems)
+        _, _, dfs = self._terms(segs, n, stems, masks)
         alive = [s for s in stems if dfs[s][0] or dfs[s][1]]
         alive.sort(key=lambda s: (-dfs[s][0], s))
         return alive[:MAX_PREFIX_TERMS]
 
-    def _resolve(self, segs: list, n: int, alt: tuple) -> tuple:
+    def _resolve(self, segs: list, n: int, alt: tuple, masks: ReachMasks | None = None) -> tuple:
         kind = alt[0]
         if kind == "prefix":
-            return kind, self._expand(segs, n, alt[1])
+            return kind, self._expand(segs, n, alt[1], masks)
         return kind, [alt[1]] if kind == "word" else list(alt[1])
 
     @staticmethod
@@ -10014,7 +10229,7 @@ class SearchIndex:
             total += (min(sizes) if kind == "phrase" else sum(sizes)) if sizes else 0
         return total
 
-    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi) -> _Match | None:
+    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi, mask) -> _Match | None:
         order = sorted(clauses, key=lambda c: self._estimate(seg, si, c, keys))
         cands = None
         for clause in order:
@@ -10027,8 +10242,11 @@ class SearchIndex:
         for alt in excludes:
             cands -= self._alt_docs(seg, si, alt, keys, cands)
         cands = cands - seg.deleted
-        if folder and cands:
-            cands = seg.in_folder(cands, folder)
+        if mask is not None and cands:  # the reach's notes only
+            held = mask.mask
+            cands = {d for d in cands if held[d]}
+        if folder and cands:  # the folders asked for (their prefixes): any of them
+            cands = set().union(*(seg.in_folder(cands, prefix) for prefix in folder))
         if not cands:
             return None
         comps = [
@@ -10060,9 +10278,11 @@ class SearchIndex:
         """Return the most a segment's stored impacts can rise with today's averages."""
         return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + SCORE_EPS)
 
-    def _matches(self, segs, n, avg, clauses, excludes, folder) -> list:
+    def _matches(self, segs, n, avg, clauses, excludes, folder, masks=None) -> list:
+        """Return ([_Match] of the segments holding candidates, the query's keys): among the
+        notes of `folder` (prefixes; () every note) and, with `masks`, of a reach."""
         stems = sorted({s for clause in [*clauses, excludes] for _, ss in clause for s in ss})
-        keys, weights, _ = self._terms(segs, n, stems)
+        keys, weights, _ = self._terms(segs, n, stems, masks)
         single = (
             (len(clauses) == 1 and len(clauses[0]) == 1 and clauses[0][0][0] == "word")
             and not excludes
@@ -10071,15 +10291,16 @@ class SearchIndex:
         matches = []
         for si, seg in enumerate(segs):
             hi = self._hi(seg, avg)
+            mask = masks.masks[si] if masks is not None else None
             if single:
                 comps = self._comps(seg, si, clauses[0][0][1], keys, weights)
                 if comps:
-                    mt = _Match(seg, comps, hi)
+                    mt = _Match(seg, comps, hi, mask=mask)
                     mt.count_single()
                     if mt.total:
                         matches.append(mt)
             else:
-                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi)
+                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi, mask)
                 if mt:
                     matches.append(mt)
         return matches, keys
@@ -10137,17 +10358,33 @@ class SearchIndex:
             return ranked[:k]
 
     def search(
-        self, query: Query, folder: str = "", limit: int = 20, offset: int = 0, snippets=True
+        self,
+        query: Query,
+        folder: str | tuple = "",
+        limit: int = 20,
+        offset: int = 0,
+        snippets=True,
+        reach: tuple = (),
     ) -> tuple:
         """Return (total, [(path, title, score, snippet)]) best first (snippets "" when
-        not asked for)."""
-        prefix = folder.rstrip("/") + "/" if folder else ""
+        not asked for), among the notes of `folder` (a folder, or several: () or "" every
+        note). `reach`: the folders a principal that sees part of the notes reaches (()
+        everything): only their notes are searched, and they alone give BM25 its statistics
+        (N, df, average lengths), so nothing outside them moves a score or a count."""
+        within = folder_prefixes(reach)
+        prefix = folder_prefixes(folder)
+        if within and set(prefix) == set(within):
+            prefix = ()  # the reach itself: its masks filter
         with self._lock:
             segs = self._all()
-            n, avg = self._count(segs), self._averages(segs)
-            clauses = [[self._resolve(segs, n, alt) for alt in c] for c in query.clauses]
-            excludes = [self._resolve(segs, n, alt) for alt in query.excludes]
-            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
+            masks = self._masks.of(segs, within) if within else None
+            if masks is None:
+                n, avg = self._count(segs), self._averages(segs)
+            else:
+                n, avg = masks.count(), masks.averages()
+            clauses = [[self._resolve(segs, n, alt, masks) for alt in c] for c in query.clauses]
+            excludes = [self._resolve(segs, n, alt, masks) for alt in query.excludes]
+            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix, masks)
             total = sum(mt.total for mt in matches)
             ranked = self._rank(matches, offset + limit, avg, self._weight)[offset:]
             if not snippets:
@@ -10785,6 +11022,7 @@ _REC = struct.Struct("<Qf")  # chunk hash, scale; then the int8 vector, then its
 DEAD = 0xFFFFFFFF  # a record no note holds (a tombstone until compaction)
 RESCORE = 400  # chunks the sign-code pass hands to the int8 rescoring
 MAX_SEMANTIC_NOTES = 100  # notes a semantic pass returns at most
+REACH_ROWS = 16  # reaches whose records the semantic pass keeps (a person's search by meaning)
 
 
 class _PathTable:
@@ -10926,6 +11164,10 @@ class VectorStore:
         self.dirty = False  # meta.json is behind
         self.changes = 0  # notes given records or dropped since the store opened
         self.extra: dict = {}  # what the embedder keeps with it (the probe, the floor)
+        self._edits = 0  # any change of which note holds which records, or of a path
+        # the records of the notes under a reach's folders, as the semantic pass scans them:
+        # prefixes -> (the edits it was made at, the records), the few searched lately
+        self._reach_rows: collections.OrderedDict = collections.OrderedDict()
 
     # -- opening -----------------------------------------------------------------------
 
@@ -11048,6 +11290,7 @@ class VectorStore:
     # -- notes and records ------------------------------------------------------------
 
     def _claim(self, path: str, key: Any, recs: Any) -> None:
+        self._edits += 1
         number = self._names.find(path)
         if number is None:
             number = self._names.add(path)
@@ -11101,6 +11344,7 @@ class VectorStore:
             self._names.remove(n)
             self._count_folders(path, -1)
             self._len[n] = 0
+            self._edits += 1
             self.changes += 1
             self.dirty = True
 
@@ -11111,6 +11355,7 @@ class VectorStore:
             if n is None or self._names.find(new) is not None:
                 return False
             self._names.rename(n, new)
+            self._edits += 1
             self._count_folders(old, -1)
             self._count_folders(new, 1)
             self._keys[n] = _NO_KEY if key is None else key
@@ -11132,11 +11377,15 @@ class VectorStore:
             folder = folder.rpartition("/")[0]
             self._folders[folder] += delta
 
-    def count_under(self, folder: str = "") -> int:
-        """Return how many notes are held beneath a folder ("" all): kept as notes come
-        and go, so a search's status costs a look-up, not a walk."""
+    def count_under(self, folder: str | tuple = "") -> int:
+        """Return how many notes are held beneath a folder, or the folders of a reach (""
+        or (): all): kept as notes come and go, so a search's status costs a look-up, not
+        a walk. (A reach's folders never hold one another.)"""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
         with self.lock:
-            return self._folders.get(folder.rstrip("/"), 0) if folder else self._names.count
+            if not any(folders):
+                return self._names.count
+            return sum(self._folders.get(f.rstrip("/"), 0) for f in folders if f)
 
     def holds(self, path: str) -> bool:
         return self._names.find(path) is not None
@@ -11342,7 +11591,26 @@ class VectorStore:
 
     # -- the semantic pass ----------------------------------------------------------------
 
-    def _candidates(self, qcode: Any, within: list | None, k: int) -> list:
+    def _rows_under(self, prefixes: tuple) -> Any:
+        """Return the records of the notes under these folder prefixes (a NumPy array of
+        them, or an array): kept for the few reaches searched lately until a note gets other
+        records, is dropped or moves, so a person's search by meaning costs no walk of
+        every path."""
+        kept = self._reach_rows.get(prefixes)
+        if kept is not None and kept[0] == self._edits:
+            self._reach_rows.move_to_end(prefixes)
+            return kept[1]
+        held = [n for n, p in self._names.held() if p.startswith(prefixes)]
+        rows: Any = array.array("I", [r for n in held for r in self._run(n)])
+        if self.np is not None:
+            rows = self.np.asarray(rows, "int64")
+        self._reach_rows[prefixes] = (self._edits, rows)
+        self._reach_rows.move_to_end(prefixes)
+        while len(self._reach_rows) > REACH_ROWS:
+            self._reach_rows.popitem(last=False)
+        return rows
+
+    def _candidates(self, qcode: Any, within: Any, k: int) -> list:
         """Return up to about k records nearest the query's sign code (Hamming)."""
         np = self.np
         if np is not None:
@@ -11389,18 +11657,21 @@ class VectorStore:
             out.append((scale * sum(map(mul, vec, query)), r))
         return out
 
-    def nearest(self, query: list, folder: str = "", limit: int = MAX_SEMANTIC_NOTES) -> list:
+    def nearest(
+        self, query: list, folder: str | tuple = "", limit: int = MAX_SEMANTIC_NOTES
+    ) -> list:
         """Return [(path, cosine, chunk number)] of the notes nearest a normalised query
-        vector, best first: each note's best chunk; only notes under `folder` are scanned."""
+        vector, best first: each note's best chunk; only notes under `folder` (a folder,
+        or the folders of a reach) are scanned."""
         with self.lock:
             if not self._count:
                 return []
             within = None
-            if folder:
-                prefix = folder.rstrip("/") + "/"
-                held = [n for n, p in self._names.held() if p.startswith(prefix)]
-                within = [r for n in held for r in self._run(n)]
-                if not within:
+            folders = (folder,) if isinstance(folder, str) else tuple(folder)
+            prefixes = tuple(f.rstrip("/") + "/" for f in folders if f)
+            if prefixes:
+                within = self._rows_under(prefixes)
+                if not len(within):
                     return []
             np = self.np
             qcode = float_sign_code(query) if np is None else np.packbits(np.asarray(query) > 0)
@@ -11568,24 +11839,36 @@ def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
 
 
 def find_notes(
-    svc: Service, query: Query, folder: str, limit: int, offset: int, mode: str = ""
+    svc: Service,
+    query: Query,
+    folder: str | tuple,
+    limit: int,
+    offset: int,
+    mode: str = "",
+    reach: tuple = (),
 ) -> dict:
-    """Search as `mode` asks (hybrid by default when embeddings are on): {total, results:
-    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
-    does: it answers in keyword mode with fallback true."""
+    """Search as `mode` asks (hybrid by default when embeddings are on), among the notes of
+    `folder` (a folder, or several: "" or () every note) within `reach` (the folders of a
+    principal that sees part of the notes, () everything: they alone give the words' scores
+    their statistics, SearchIndex.search): {total, results: [(path, title, score, snippet)],
+    mode, fallback}. Never fails because the endpoint does: it answers in keyword mode with
+    fallback true."""
     embedder = svc.embedder
+    folder = folder or reach  # never wider than the reach
     if mode and mode not in MODES:
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
     if mode != "keyword" and embedder is not None and not _lexical_only(query):
         vector = embedder.query_vector(_embedding_text(query))
         if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
-    total, hits = svc.index.search(query, folder, limit, offset)
+            return _by_meaning(svc, query, folder, (limit, offset), mode, vector, reach)
+    total, hits = svc.index.search(query, folder, limit, offset, reach=reach)
     return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
 
 
-def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str, vector) -> dict:
+def _by_meaning(
+    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector, reach: tuple
+) -> dict:
     near = svc.embedder.nearest(vector, folder)
     if query.excludes:
         out = svc.index.excluded(query.excludes, [p for p, _, _ in near])
@@ -11594,7 +11877,9 @@ def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str,
     if mode == "semantic":
         ranked = [(p, round(s, 4)) for p, s, _ in near]
     else:
-        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
+        _, hits = svc.index.search(
+            query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False, reach=reach
+        )
         words = [p for p, *_ in hits]
         ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
     limit, offset = page
@@ -11618,7 +11903,7 @@ def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> li
     return results
 
 
-def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
+def related_notes(svc: Service, path: str, folder: str | tuple, limit: int) -> list:
     """Return [(path, title, score)] of the notes nearest a note (its chunks' mean) that
     clear the floor: fewer than `limit`, or none, when no other note is near."""
     embedder = svc.embedder
@@ -12033,32 +12318,175 @@ CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_-]{43}\Z")  # BASE64URL(SHA-256(verifier
 CIMD_TIMEOUT, CIMD_MAX_BYTES, CIMD_CACHE_SECONDS = 5.0, 65536, 3600.0
 
 
+def lower_scope(a: str, b: str) -> str:
+    """Return the lower of two scopes (a grant's own, and what a share gives)."""
+    return a if SCOPE_RANK[a] <= SCOPE_RANK[b] else b
+
+
+def inside(path: str, folder: str) -> bool:
+    """Return whether a path is `folder` itself or lies beneath it."""
+    return path == folder or path.startswith(folder + "/")
+
+
+def attachments_twin(folder: str) -> str:
+    """Return the attachments folder that goes with a notes folder (notes/x -> attachments/x)."""
+    return ATTACHMENTS + folder[len(NOTES) :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reach:
+    """The folders a principal sees, each with the scope it holds there: everything (the
+    owner's key, devices and connectors), or a list of folders under notes/ (a folder grant:
+    one; a person: their home and the folders shared with them). Attachments follow notes:
+    `attachments/x` is reached with `notes/x`. Built once per state by reach_of(), the one
+    place that decides who sees what; every surface asks a principal's reach."""
+
+    folders: tuple = ()  # ((folder, scope), ...) by folder; nothing when not everything
+    everything: bool = False
+    home: str = ""  # where what it makes goes by default: a folder grant's, a person's home
+
+    @property
+    def tops(self) -> tuple:
+        """Return the reached folders none of the others holds: what a filter needs."""
+        names = sorted({f for f, _ in self.folders})
+        return tuple(f for f in names if not any(inside(f, o) and f != o for o in names))
+
+    def folder_of(self, path: str) -> str:
+        """Return the notes folder a note, attachment or folder path stands for (its
+        attachments/ twin mapped back to notes/)."""
+        if path == ATTACHMENTS or path.startswith(ATTACHMENTS + "/"):
+            return NOTES + path[len(ATTACHMENTS) :]
+        return path
+
+    def scope_at(self, path: str) -> str | None:
+        """Return the scope held at a path (the highest of the reached folders holding it;
+        a deeper share may add to the one above, never take away); None: not reached."""
+        if self.everything:
+            return "admin"
+        where = self.folder_of(path)
+        held = [scope for folder, scope in self.folders if inside(where, folder)]
+        return max(held, key=SCOPE_RANK.__getitem__) if held else None
+
+    @functools.cached_property
+    def _lookup(self) -> tuple:
+        """(the prefixes of the reached folders and their attachments twins, those folders)"""
+        folders = (*self.tops, *map(attachments_twin, self.tops))
+        return tuple(f + "/" for f in folders), frozenset(folders)
+
+    def sees(self, path: str) -> bool:
+        """Return whether a note, attachment or folder path lies inside a reached folder
+        (what scope_at() holds somewhere; asked for every entry a listing or a feed filters)."""
+        if self.everything:
+            return True
+        prefixes, folders = self._lookup
+        return path.startswith(prefixes) or path in folders
+
+    def way_down(self, folder: str) -> tuple:
+        """Return the reached folders beneath `folder` (an ancestor of them, not reached
+        itself): what a listing of it shows."""
+        return tuple(t for t in self.tops if t.startswith(folder + "/"))
+
+    def narrowed(self, folder: str, scope: str) -> Reach:
+        """Return this reach within one folder and at most one scope (a grant's own)."""
+        if self.everything:
+            return Reach(((folder, scope),), home=folder) if folder else self
+        kept = []
+        for f, s in self.folders:
+            if not folder or inside(f, folder):
+                kept.append((f, lower_scope(s, scope)))
+            elif inside(folder, f):
+                kept.append((folder, lower_scope(s, scope)))
+        home = folder or self.home
+        return Reach(tuple(sorted(set(kept))), home=home if kept else "")
+
+
+EVERYTHING = Reach(everything=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Principal:
-    """Who a request acts for: the owner (API key, JWT, auth off) or one grant."""
+    """Who a request acts for: the owner (API key, JWT, auth off) or one grant (of the owner
+    or of a person), with the reach it sees (Reach)."""
 
     kind: str  # "owner", "key" (a scoped key), "device" (a paired device) or "oauth"
     scope: str  # read, write or admin
-    folder: str = ""  # "notes/family": the grant sees that folder only; "" everything
+    folder: str = ""  # the grant's own folder ("notes/family"): it sees within it only
     grant_id: str = ""
     resource: str = ""  # an OAuth token's audience: the MCP URL it was issued for
+    person: str = ""  # the person whose grant this is ("": the owner's)
+    reach: Reach = EVERYTHING  # what it sees (reach_of); a folder alone: that folder
+
+    def __post_init__(self) -> None:
+        if self.folder and self.reach.everything:  # Principal(kind, scope, folder): as before
+            reach = Reach(((self.folder, self.scope),), home=self.folder)
+            object.__setattr__(self, "reach", reach)
 
     def allows(self, scope: str) -> bool:
         return SCOPE_RANK[self.scope] >= SCOPE_RANK[scope]
 
     @property
-    def attachments_folder(self) -> str:
-        """Return the attachments folder a folder grant sees (notes/x -> attachments/x)."""
-        return ATTACHMENTS + self.folder[len(NOTES) :] if self.folder else ""
+    def whole(self) -> bool:
+        """Return whether it sees every note (the owner's key and the owner's whole grants)."""
+        return self.reach.everything
+
+    @property
+    def folders(self) -> tuple:
+        """Return the folders it sees as a filter: () for everything."""
+        return () if self.reach.everything else self.reach.tops
+
+    @property
+    def home(self) -> str:
+        """Return where what it makes goes by default: its own folder, a person's home, else
+        "" (the owner's defaults, each in its place)."""
+        return self.reach.home
 
     def sees(self, path: str) -> bool:
-        """Return whether a note or attachment path lies inside the grant's folder."""
-        return not self.folder or path.startswith(
-            (self.folder + "/", self.attachments_folder + "/")
-        )
+        """Return whether a note, attachment or folder path lies inside its reach."""
+        return self.reach.sees(path)
+
+    def may_write(self, path: str) -> bool:
+        """Return whether it may write at a path: its scope and the reach's both say so."""
+        held = self.reach.scope_at(path)
+        return held is not None and self.allows("write") and SCOPE_RANK[held] >= 1
 
 
 OWNER = Principal("owner", "admin")
+
+
+def person_reach(data: dict, person_id: str) -> Reach:
+    """Return what a person reaches in the state `data`: their home (write) and each folder
+    shared with them at the share's scope; nothing for a person who is gone."""
+    person = next((p for p in data.get("people", []) if p["id"] == person_id), None)
+    if person is None:
+        return Reach()
+    folders = {(person["home"], "write")}
+    for folder, members in data.get("members", {}).items():
+        folders |= {(folder, m["scope"]) for m in members if m["person"] == person_id}
+    return Reach(tuple(sorted(folders)), home=person["home"])
+
+
+def reach_of(data: dict, grant: dict | None) -> Reach:
+    """Return the reach of a grant (None: the owner's own key) in the state `data`: the one
+    place that decides who sees what. The owner's grants see everything, or their folder;
+    a person's see the person's reach, within the grant's folder and at its scope at most."""
+    if grant is None:
+        return EVERYTHING
+    base = person_reach(data, grant["person"]) if grant.get("person") else EVERYTHING
+    return base.narrowed(grant.get("folder") or "", grant["scope"])
+
+
+def principal_of(data: dict, grant: dict) -> Principal:
+    """Return who a grant (a key, a device, an OAuth grant) acts as in the state `data`."""
+    return Principal(
+        grant["kind"],
+        grant["scope"],
+        grant.get("folder") or "",
+        grant["id"],
+        grant.get("resource", ""),
+        grant.get("person") or "",
+        reach_of(data, grant),
+    )
+
 
 # Who made a grant, a pairing or a share link (its `createdBy`): the owner's own key,
 # the command line on the server, or else the id of the grant (an admin device) that did.
@@ -12105,82 +12533,144 @@ def no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
             raise not_found(f"no {what} at {path}")
 
 
-def _visible(raw: Any, check_path: Callable, top: str, on_disk: Callable, what: str) -> str:
-    """Return `check_path(raw)` for a grant that sees folder `top` ("" everything); 404
-    ("no <what> at ...") outside it.
+def reached_folders(principal: Principal, top: str = NOTES) -> tuple:
+    """Return the folders a principal sees under `top` (notes/ or attachments/, whose twins
+    they are): () for everything."""
+    folders = principal.folders
+    return folders if top == NOTES else tuple(attachments_twin(f) for f in folders)
+
+
+def _visible(raw: Any, check_path: Callable, folders: tuple, on_disk: Callable, what: str) -> str:
+    """Return `check_path(raw)` for a principal that sees `folders` (() everything); 404
+    ("no <what> at ...") outside them.
 
     The folder test comes first, so `..`, another folder's file by any encoding, or a
     symbolic link that leads out of the folder all answer as if nothing were there; then
-    the path's own rules (400), then no symbolic link below `top` on disk.
+    the path's own rules (400), then no symbolic link below the folder on disk.
     """
-    if not top:
+    if not folders:
         return check_path(raw)
-    if _escapes(raw, top):
+    holder = next((f for f in folders if not _escapes(raw, f)), None)
+    if holder is None:
         raise not_found(f"no {what} at {str(raw)[:MAX_PATH_CHARS]}")
     path = check_path(raw)
-    no_link_below(on_disk, top, path, what)
+    no_link_below(on_disk, holder, path, what)
     return path
 
 
-def visible_note(store: NoteStore, raw: Any, principal: Principal | None = None) -> str:
-    """Return a checked note path the request's grant may see: outside its folder 404."""
-    folder = (principal or request_principal()).folder
-    return _visible(raw, note_path, folder, store.on_disk, "note")
+def _writable(principal: Principal, path: str, what: str) -> str:
+    """Return path when the principal may write there; 403 naming the scope it holds."""
+    if principal.whole or principal.may_write(path):
+        return path
+    held = principal.reach.scope_at(path) or principal.scope
+    raise ApiError(
+        403,
+        "FORBIDDEN",
+        f"this needs the write scope at {path}: this key holds {held} there "
+        f"(a {what} in a folder shared for reading)",
+    )
 
 
-def visible_attachment(store: Any, raw: Any, principal: Principal | None = None) -> str:
-    """Return a checked attachment path the request's grant may see (its folder's match
-    under attachments/); 404 outside it, as for notes."""
-    top = (principal or request_principal()).attachments_folder
-    return _visible(raw, attachment_path, top, lambda p: store.base / p, "attachment")
-
-
-def visible_note_file(store: Any, raw: Any, principal: Principal | None = None) -> str:
-    """Return a checked path of a file beside the notes that the grant may see; 404 outside
-    its folder, as for notes."""
-    folder = (principal or request_principal()).folder
-    return _visible(raw, note_file_path, folder, lambda p: store.base / p, "attachment")
-
-
-def visible_folder(
-    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
+def visible_note(
+    store: NoteStore, raw: Any, principal: Principal | None = None, write: bool = False
 ) -> str:
-    """Return the folder a listing of `raw` shows a grant: raw itself inside its folder (no
-    symbolic link on the way), the grant's folder for an ancestor of it; 404 for any other
-    folder. `top` (notes or attachments) by default."""
+    """Return a checked note path the request's principal may see (with write, may change):
+    outside its reach 404, in a part of it it may only read 403."""
     principal = principal or request_principal()
-    own = principal.folder if top == NOTES else principal.attachments_folder
+    path = _visible(raw, note_path, reached_folders(principal), store.on_disk, "note")
+    return _writable(principal, path, "note") if write else path
+
+
+def visible_attachment(
+    store: Any, raw: Any, principal: Principal | None = None, write: bool = False
+) -> str:
+    """Return a checked attachment path the principal may see (its folders' twins under
+    attachments/); 404 outside them, as for notes (with write, 403 where it may only read)."""
+    principal = principal or request_principal()
+    folders = reached_folders(principal, ATTACHMENTS)
+    path = _visible(raw, attachment_path, folders, lambda p: store.base / p, "attachment")
+    return _writable(principal, path, "file") if write else path
+
+
+def visible_note_file(
+    store: Any, raw: Any, principal: Principal | None = None, write: bool = False
+) -> str:
+    """Return a checked path of a file beside the notes that the principal may see; 404
+    outside its reach, as for notes (with write, 403 where it may only read)."""
+    principal = principal or request_principal()
+    folders = reached_folders(principal)
+    path = _visible(raw, note_file_path, folders, lambda p: store.base / p, "attachment")
+    return _writable(principal, path, "file") if write else path
+
+
+def visible_folders(
+    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
+) -> tuple:
+    """Return (the folder asked, the folders a listing of it shows the principal): the
+    folder itself inside its reach (no symbolic link on the way), the reached folders
+    beneath an ancestor of them; 404 for any other folder. `top`: notes (or attachments)."""
+    principal = principal or request_principal()
+    own = reached_folders(principal, top)
     if own and isinstance(raw, str) and {".", ".."} & set(raw.split("/")):
         raise not_found(f"no folder at {raw[:MAX_PATH_CHARS]}")
     folder = (folder_path if top == NOTES else attachment_folder)(raw or top)
-    if not own or folder == own:
-        return folder
-    if folder.startswith(own + "/"):
+    if not own:
+        return folder, (folder,)
+    holder = next((f for f in own if inside(folder, f)), None)
+    if holder is not None:
         base = svc.attachments.base
         on_disk = svc.notes.on_disk if top == NOTES else (lambda p: base / p)
-        no_link_below(on_disk, own, folder, "folder")
-        return folder
-    if folder == top or own.startswith(folder + "/"):
-        return own
+        no_link_below(on_disk, holder, folder, "folder")
+        return folder, (folder,)
+    below = tuple(f for f in own if f.startswith(folder + "/"))
+    if below:
+        return folder, below
     raise not_found(f"no folder at {folder}")
+
+
+def searched_folders(svc: Service, raw: Any, principal: Principal | None = None) -> tuple:
+    """Return the folders a search of folder `raw` (None or "": the top) looks in, for the
+    request's principal: () every note (the owner at the top), else the folder itself inside
+    its reach or the reached folders beneath it; 404 for any other folder. Pass the
+    principal's `folders` beside it as the search's reach (SearchIndex.search)."""
+    _, shown = visible_folders(svc, raw or NOTES, principal)
+    return () if shown == (NOTES,) else shown
+
+
+def writable_folder(svc: Service, raw: Any, principal: Principal | None = None) -> str:
+    """Return a folder the principal may make notes in (inside its reach, at write); 404
+    outside it, 403 where it may only read."""
+    principal = principal or request_principal()
+    folder, shown = visible_folders(svc, raw, principal)
+    if shown != (folder,):
+        raise not_found(f"no folder at {folder}")
+    return _writable(principal, folder, "note")
 
 
 def granted_tree(
     svc: Service, raw: Any, depth: int | None = None, count: Callable | None = None
 ) -> dict:
-    """Return the tree of a folder as the request's grant sees it (`depth` and `count` as
-    NoteStore.tree takes them): a folder above the grant's own holds only the way down."""
-    folder = visible_folder(svc, raw)  # a folder grant's own, or 404
-    asked = folder_path(raw)
-    if folder == asked:
-        return svc.notes.tree(folder, depth, count)
-    way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to its own
-    left = None if depth is None else depth - len(way)
-    if left is not None and left < 0:  # the cut falls on the way down
-        path = "/".join([asked, *way[:depth]])
-        notes = count(folder) if count else len(svc.notes.walk(folder))
-        node = {"name": way[depth - 1], "path": path, "type": "folder", "count": notes}
-    else:
+    """Return the tree of a folder as the request's principal sees it (`depth` and `count`
+    as NoteStore.tree takes them): a folder above the ones it reaches holds only the ways
+    down to them."""
+    asked, shown = visible_folders(svc, raw)  # what it reaches of the folder, or 404
+    if shown == (asked,):
+        return svc.notes.tree(asked, depth, count)
+    root = {"name": asked.rsplit("/", 1)[-1], "path": asked, "type": "folder", "children": []}
+    for folder in shown:
+        way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to it
+        left = None if depth is None else depth - len(way)
+        if left is not None and left < 0:  # the cut falls on the way down
+            notes = count(folder) if count else len(svc.notes.walk(folder))
+            at = _way_node(root, way[: depth - 1])
+            cut = next((c for c in at["children"] if c["name"] == way[depth - 1]), None)
+            if cut is None:
+                cut = {"name": way[depth - 1], "path": f"{at['path']}/{way[depth - 1]}"}
+                cut.update({"type": "folder", "count": 0})
+                at["children"].append(cut)
+            cut["count"] += notes
+            at["children"].sort(key=lambda c: c["name"])
+            continue
         try:
             node = svc.notes.tree(folder, left, count)
         except ApiError as e:
@@ -12188,14 +12678,23 @@ def granted_tree(
                 raise
             node = {"name": way[-1], "path": folder, "type": "folder"}
             node.update({"count": 0} if left == 0 else {"children": []})
-    while node["path"] != asked:
-        parent = node["path"].rsplit("/", 1)[0]
-        node = {
-            "name": parent.rsplit("/", 1)[-1],
-            "path": parent,
-            "type": "folder",
-            "children": [node],
-        }
+        at = _way_node(root, way[:-1])
+        at["children"].append(node)
+        at["children"].sort(key=lambda c: c["name"])
+    return root
+
+
+def _way_node(root: dict, way: list) -> dict:
+    """Return the folder node at root/way, adding the folders on the way (in name order)."""
+    node = root
+    for name in way:
+        child = next((c for c in node["children"] if c["name"] == name), None)
+        if child is None:
+            path = f"{node['path']}/{name}"
+            child = {"name": name, "path": path, "type": "folder", "children": []}
+            node["children"].append(child)
+            node["children"].sort(key=lambda c: c["name"])
+        node = child
     return node
 
 
@@ -12415,14 +12914,16 @@ class GrantStore:
         self.state, self.clock = state, clock
         self.idle = idle_days * 86400  # a paired device's key ends this long after its last use
         self._lock = threading.Lock()
-        self._cache: tuple = (
-            None,
-            {},
-        )  # (state it was built from, hash -> (kind, principal, expires, idle since))
+        # (state it was built from, hash -> (kind, principal, expires, idle since),
+        # grant id -> (principal, expires, idle since))
+        self._cache: tuple = (None, {}, {})
         self._used: dict = {}  # grant id -> when it was last used, not yet written
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
         self.metadata: dict = {}  # client_id URL -> (fetched at, document)
+        # (ids) -> None, run once a revocation's state change is written: the Service waits
+        # there for the writes the grants had begun (Service.drain)
+        self.on_ended: list = []
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
@@ -12433,23 +12934,52 @@ class GrantStore:
     # -- authenticating -------------------------------------------------------------
 
     def _index(self) -> dict:
+        return self._indexes()[0]
+
+    def _indexes(self) -> tuple:
+        """Return (by secret hash, by grant id) of the grants in the state now."""
         data = self.state.read()
-        built_from, index = self._cache
+        built_from, index, by_id = self._cache
         if built_from is data:
-            return index
-        index = {}
+            return index, by_id
+        index, by_id = {}, {}
         for g in data.get("grants", []):
-            p = Principal(
-                g["kind"], g["scope"], g.get("folder") or "", g["id"], g.get("resource", "")
-            )
+            p = principal_of(data, g)
             expires = epoch_of(g.get("expiresAt"))
+            by_id[g["id"]] = (p, expires, self._idle_since(g))
             if g.get("keyHash"):
                 index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
                 until = min(expires, epoch_of(g.get("accessExpiresAt")))
                 index[g["accessHash"]] = ("access", p, until, None)
-        self._cache = (data, index)
-        return index
+        self._cache = (data, index, by_id)
+        return index, by_id
+
+    def current(self, grant_id: str) -> Principal | None:
+        """Return who a grant acts as in the state now (its reach as it is now), None when
+        it is gone: revoked, expired, or its person removed."""
+        found = self._indexes()[1].get(grant_id)
+        if found is None:
+            return None
+        principal, expires, since = found
+        if since is not None:  # a paired device: its last use, as expires() counts it
+            expires = max(since, self._used.get(grant_id, 0.0)) + self.idle
+        return principal if expires > self.clock() else None
+
+    def still_writes(self, principal: Principal, path: str) -> None:
+        """Raise unless a request's principal may still write at `path` now: its grant may
+        have ended (401), or a person's reach shrunk (404; 403 where they may only read)
+        on another thread since its key was checked."""
+        if not principal.grant_id:
+            return  # the owner's own key (or no request): nothing to end
+        now = self.current(principal.grant_id)
+        if now is None:
+            raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+        if not now.person or now.may_write(path):
+            return  # (a folder grant's reach is its folder: it never changes)
+        if now.sees(path):
+            raise ApiError(403, "FORBIDDEN", f"this needs the write scope at {path}")
+        raise not_found(f"nothing at {path[:MAX_PATH_CHARS]} in this key's reach")
 
     def _idle_since(self, g: dict) -> float | None:
         """Return when a paired device without an expiry of its own was last used, as
@@ -12524,13 +13054,20 @@ class GrantStore:
             "lastUsedAt": iso(last) if last else g.get("lastUsedAt"),
             "createdBy": g.get("createdBy"),  # null: made before it was recorded
         }
+        if g.get("person"):
+            rec["person"] = g["person"]
         if g["kind"] == "oauth":
             rec["client"] = dict(g["client"])
         return rec
 
-    def grants(self) -> list:
-        """Return every grant without its secrets (keys and OAuth grants)."""
-        return [self._public(g) for g in self.state.read().get("grants", [])]
+    def grants(self, person: str | None = None) -> list:
+        """Return every grant without its secrets (keys and OAuth grants); with `person`,
+        that person's only ("" the owner's)."""
+        return [
+            self._public(g)
+            for g in self.state.read().get("grants", [])
+            if person is None or (g.get("person") or "") == person
+        ]
 
     def _check_maker(self, data: dict, maker: Any, now: float) -> None:
         """Refuse (401) to record what a grant made once that grant is gone: a request that
@@ -12555,10 +13092,17 @@ class GrantStore:
         self.state.update(change)
 
     def create_key(
-        self, name: str, scope: str, folder: str | None, days: int | None, *, created_by: str
+        self,
+        name: str,
+        scope: str,
+        folder: str | None,
+        days: int | None,
+        *,
+        created_by: str,
+        person: str = "",
     ) -> tuple:
         """Return (the key's record, the key itself) of a new scoped key; created_by is
-        "owner", "cli" or the id of the grant that made it."""
+        "owner", "cli" or the id of the grant that made it; person: whose key it is."""
         key, now = GRANT_KEY_PREFIX + secrets.token_urlsafe(32), self.clock()
         grant = {
             "id": "gr_" + secrets.token_hex(6),
@@ -12572,6 +13116,8 @@ class GrantStore:
             "keyHash": key_hash(key),
             "createdBy": created_by,
         }
+        if person:
+            grant["person"] = person
         self._add_grant(grant)
         log.info("scoped key %s (%s%s) created", grant["id"], scope, f" {folder}" if folder else "")
         return self._public(grant), key
@@ -12579,7 +13125,14 @@ class GrantStore:
     # -- devices: a pairing's one-time secret, claimed for a device key ------------------
 
     def create_pairing(
-        self, name: str, scope: str, folder: str | None, ttl: int, *, created_by: str
+        self,
+        name: str,
+        scope: str,
+        folder: str | None,
+        ttl: int,
+        *,
+        created_by: str,
+        person: str = "",
     ) -> tuple:
         """Return (the pairing's record, its one-time secret): 128 random bits, kept only
         as their SHA-256, good once within ttl seconds, and only while the grant that made
@@ -12596,11 +13149,17 @@ class GrantStore:
             "expiresAt": iso(now + ttl),
             "createdBy": created_by,
         }
+        if person:
+            pairing["person"] = person
 
         def change(data: dict) -> None:
             self._check_maker(data, created_by, now)
             live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
-            if len(live) >= MAX_PAIRINGS:
+            if person and not any(p["id"] == person for p in data.get("people", [])):
+                raise not_found(f"no person {person}")  # removed meanwhile
+            # the owner's and the people's wait apart: adding people never blocks the owner
+            mine = [p for p in live if bool(p.get("person")) == bool(person)]
+            if len(mine) >= MAX_PAIRINGS:
                 raise ApiError(
                     409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
                 )
@@ -12646,6 +13205,10 @@ class GrantStore:
                 "pairing": found["id"],
                 "createdBy": maker,  # whoever made the pairing made the device
             }
+            if found.get("person"):
+                if not any(p["id"] == found["person"] for p in data.get("people", [])):
+                    return None  # the person was removed: the pairing went with them
+                device["person"] = found["person"]
             data["grants"] = [*grants, device]
             if found["scope"] == "admin" and found.get("createdBy") == MADE_BY_CLI:
                 data["setupComplete"] = True  # `pair` on the server: its owner set it up
@@ -12686,28 +13249,61 @@ class GrantStore:
             if not any(g["id"] == grant_id for g in grants):
                 return []
             gone = [grant_id, *(self._made_by(grants, grant_id) if cascade else [])]
-            data["grants"] = [g for g in grants if g["id"] not in gone]
-            data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") not in gone]
-            for name, what in (("pairings", "pairing"), ("feeds", "calendar feed")):
-                kept = [x for x in data.get(name, []) if x.get("createdBy") not in gone]
-                if len(kept) < len(data.get(name, [])):
-                    ended = len(data[name]) - len(kept)
-                    log.info("%d %s(s) made by %s ended", ended, what, grant_id)
-                    data[name] = kept
-            for hook in self.on_revoke:
-                hook(data, gone)
+            self.end_grants(data, gone)
             return gone
 
         if not any(g["id"] == grant_id for g in self.state.read().get("grants", [])):
             return []
         gone = self.state.update(change)
+        self.ended(gone)
+        return gone
+
+    def end_grants(self, data: dict, gone: list) -> None:
+        """End the grants `gone` and the secrets they made, inside one state change."""
+        data["grants"] = [g for g in data.get("grants", []) if g["id"] not in gone]
+        data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") not in gone]
+        for name, what in (("pairings", "pairing"), ("feeds", "calendar feed")):
+            kept = [x for x in data.get(name, []) if x.get("createdBy") not in gone]
+            if len(kept) < len(data.get(name, [])):
+                ended = len(data[name]) - len(kept)
+                log.info("%d %s(s) made by %s ended", ended, what, ", ".join(gone[:3]))
+                data[name] = kept
+        for hook in self.on_revoke:
+            hook(data, gone)
+
+    def ended(self, gone: list) -> None:
+        """Forget what lives in memory for grants just ended (after their state change),
+        once the writes they had begun are done (nothing is written after this returns)."""
+        for hook in self.on_ended:
+            hook(gone)
         with self._lock:  # codes they approved are redeemed for nothing
             for h in [h for h, c in self.codes.items() if c.get("createdBy") in gone]:
                 del self.codes[h]
         for g in gone:
             self._used.pop(g, None)
             log.info("grant %s revoked", g)
-        return gone
+
+    def grants_of_person(self, data: dict, person_id: str) -> list:
+        """Return the ids of a person's grants and of all those they made, in `data`."""
+        grants = data.get("grants", [])
+        theirs = [g["id"] for g in grants if g.get("person") == person_id]
+        out = list(theirs)
+        for grant_id in theirs:
+            out += [g for g in self._made_by(grants, grant_id) if g not in out]
+        return out
+
+    def principal_by_id(self, grant_id: Any) -> Principal | None:
+        """Return who a grant acts as now: None when `grant_id` names no grant (the owner or
+        the CLI made the thing asked about); a principal reaching nothing for a grant gone."""
+        if not made_by_grant(grant_id):
+            return None
+        data = self.state.read()
+        g = next((g for g in data.get("grants", []) if g["id"] == grant_id), None)
+        return principal_of(data, g) if g else Principal("key", "read", reach=Reach())
+
+    def person_sees(self, person_id: str, path: str) -> bool:
+        """Return whether a person reaches a path (their home, a folder shared with them)."""
+        return person_reach(self.state.read(), person_id).sees(path)
 
     def live_maker(self, created_by: Any) -> bool:
         """Return whether what `created_by` made may still be used: made by the owner or
@@ -12964,6 +13560,8 @@ class GrantStore:
             "createdBy": entry.get("createdBy"),
             "usedRefresh": [],
         }
+        if entry.get("person"):  # a person's connector: their reach, never more
+            grant["person"] = entry["person"]
         answer = self._tokens(grant, now)
         try:
             self._add_grant(grant)
@@ -13072,21 +13670,34 @@ class GrantStore:
     def shares(self, principal: Principal) -> list:
         """Return the share links a principal sees: a grant its own (while their notes are
         in its folder), the owner (and an admin device) all."""
-        now = self.clock()
+        now, data = self.clock(), self.state.read()
         return [
             self.share_record(s)
-            for s in self.state.read().get("shares", [])
+            for s in data.get("shares", [])
             if epoch_of(s["expiresAt"]) > now
             and (
-                principal.allows("admin")
-                or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
+                (principal.allows("admin") and self._owns_share(principal, s, data))
+                or s.get("grantId") == principal.grant_id
             )
+            and principal.sees(s["path"])  # (the owner's: everything)
         ]
 
+    @staticmethod
+    def _owns_share(principal: Principal, share: dict, data: dict) -> bool:
+        """Return whether an admin principal manages a share link: the owner's every one, a
+        person's admin device those made by the person's grants."""
+        if not principal.person:
+            return True
+        maker = next((g for g in data.get("grants", []) if g["id"] == share.get("grantId")), None)
+        return maker is not None and maker.get("person") == principal.person
+
     def revoke_share(self, share_id: str, principal: Principal) -> bool:
+        data = self.state.read()
+
         def mine(s: dict) -> bool:
             return s["id"] == share_id and (
-                principal.allows("admin") or s.get("grantId") == principal.grant_id
+                (principal.allows("admin") and self._owns_share(principal, s, data))
+                or s.get("grantId") == principal.grant_id
             )
 
         if not any(map(mine, self.state.read().get("shares", []))):
@@ -13111,9 +13722,28 @@ class GrantStore:
                     return s, OWNER
                 for g in data.get("grants", []):
                     if g["id"] == s["grantId"] and self.expires(g) > now:
-                        return s, Principal(g["kind"], g["scope"], g.get("folder") or "", g["id"])
+                        return s, principal_of(data, g)
                 return None
         return None
+
+    @staticmethod
+    def drop_unreached_shares(data: dict) -> None:
+        """Inside a state change: end the share links a person's grant made for a note the
+        person no longer reads (the folder's share removed, the note moved out of their
+        reach): a link dies when its maker loses the note."""
+        shares = data.get("shares", [])
+        if not shares or not any(g.get("person") for g in data.get("grants", [])):
+            return
+        grants = {g["id"]: g for g in data.get("grants", [])}
+        kept = []
+        for s in shares:
+            maker = grants.get(s.get("grantId"))
+            if maker and maker.get("person") and not reach_of(data, maker).sees(s["path"]):
+                log.info("share link %s ended: its maker no longer reads its note", s["id"])
+                continue
+            kept.append(s)
+        if len(kept) < len(shares):
+            data["shares"] = kept
 
     def on_note_event(self, event: str, path: str, detail: Any) -> None:
         """Keep share links on their note: a move takes them along, a delete ends them."""
@@ -13130,8 +13760,350 @@ class GrantStore:
                 for s in shares:
                     if s["path"] == path:
                         s["path"] = detail[0]
+                self.drop_unreached_shares(data)  # (moved out of its maker's reach)
 
         self.state.update(change)
+
+
+# == src/notesvc/people.py ====================================================
+# People on one server: each with a home folder, and the folders shared between them.
+
+MAX_PEOPLE = 50
+MAX_NAME_CHARS = 64
+PERSON_ID_RE = re.compile(r"^p_[A-Za-z0-9_-]{10}\Z")
+SHARE_SCOPES = ("read", "write")
+OWNER_SHARER = {"id": "owner", "name": "Owner"}  # who shared, when the owner did
+
+
+def person_name(raw: Any) -> str:
+    """Return a person's name checked: 1-64 characters after NFC, and usable as the name
+    of their home folder (the path rules of notes: no /, no leading dot, no control, bidi
+    or zero-width character, none of \\ : * ? " < > |); 400 naming the rule otherwise."""
+    if not isinstance(raw, str):
+        raise bad_request("'name' must be a string")
+    if any(unicodedata.category(c) == "Cc" for c in raw):
+        raise bad_request("'name' holds a control character")
+    name = " ".join(unicodedata.normalize("NFC", raw).split())
+    if is_blank(name):
+        raise bad_request("'name' must not be empty")
+    if len(name) > MAX_NAME_CHARS:
+        raise bad_request(f"'name' is longer than {MAX_NAME_CHARS} characters")
+    if "/" in name:
+        raise bad_request("'name' holds a /: a person's name is one folder name")
+    try:
+        check_segments(f"{NOTES}/{name}", "home folder")
+    except ApiError as e:
+        raise bad_request(f"'name' cannot name a folder: {e.message}") from None
+    return name
+
+
+class PeopleStore:
+    """The people of this server and the members of its shared folders (state.json's
+    `people` and `members`); their grants live in the GrantStore beside it."""
+
+    def __init__(
+        self, state: StateStore, grants: GrantStore, notes: NoteStore, clock: Callable = time.time
+    ):
+        self.state, self.grants, self.notes, self.clock = state, grants, notes, clock
+        # (data, the person's id) -> None, run inside a removal's state change: what a
+        # person holds beyond grants (the chats bound to them) ends with them in one write
+        self.on_remove: list = []
+        # drain(people=...): wait for the writes people had begun (the Service's), after a
+        # share that narrowed them is written
+        self.drain: Callable = lambda grants=(), people=(): None
+
+    # -- reading ------------------------------------------------------------------------
+
+    def people(self, data: dict | None = None) -> list:
+        return list((data or self.state.read()).get("people", []))
+
+    def get(self, person_id: Any, data: dict | None = None) -> dict | None:
+        if not isinstance(person_id, str):
+            return None
+        return next((p for p in self.people(data) if p["id"] == person_id), None)
+
+    def name_of(self, person_id: str, data: dict | None = None) -> str:
+        person = self.get(person_id, data)
+        return person["name"] if person else "someone"
+
+    def listed(self) -> list:
+        """Return the people with how many devices each has and when one was last used."""
+        data = self.state.read()
+        grants = {g["id"]: g for g in self.grants.grants()}
+        out = []
+        for p in self.people(data):
+            devices = [g for g in grants.values() if g.get("person") == p["id"]]
+            used = [g["lastUsedAt"] for g in devices if g.get("lastUsedAt")]
+            out.append(
+                {
+                    "id": p["id"],
+                    "name": p["name"],
+                    "home": p["home"],
+                    "createdAt": p["createdAt"],
+                    "devices": sum(g["kind"] == "device" for g in devices),
+                    "lastUsedAt": max(used, key=epoch_of) if used else None,
+                }
+            )
+        return out
+
+    @staticmethod
+    def public(person: dict) -> dict:
+        return {k: person.get(k) for k in ("id", "name", "home", "createdAt", "createdBy")}
+
+    # -- adding, renaming, removing -----------------------------------------------------
+
+    def add(self, raw_name: Any, raw_home: Any, *, created_by: str) -> dict:
+        """Add a person with a home folder (notes/<name>, or `raw_home` when given: a folder
+        under notes/ that does not exist and lies in no other home); return them. 409 for a
+        taken name or home, or at MAX_PEOPLE."""
+        name = person_name(raw_name)
+        home = f"{NOTES}/{name}" if raw_home is None else folder_path(raw_home)
+        if home == NOTES or not home.startswith(NOTES + "/"):
+            raise bad_request(f"'home' must be a folder under {NOTES}/")
+        now = self.clock()
+        person = {
+            "id": "p_" + secrets.token_urlsafe(8)[:10],
+            "name": name,
+            "home": home,
+            "createdAt": iso(now),
+            "createdBy": created_by,
+        }
+
+        def change(data: dict) -> dict:
+            people = data.setdefault("people", [])
+            if len(people) >= MAX_PEOPLE:
+                raise ApiError(409, "CONFLICT", f"{MAX_PEOPLE} people live here already")
+            self._check_name(people, name, None)
+            for p in people:
+                if inside(home, p["home"]) or inside(p["home"], home):
+                    raise ApiError(
+                        409, "CONFLICT", f"{home} lies in {p['name']}'s home, or holds it"
+                    )
+            if self.notes.on_disk(home).exists():
+                raise ApiError(
+                    409,
+                    "CONFLICT",
+                    f"a folder {home} exists already: pick another name, or give 'home' a "
+                    "free folder for them",
+                )
+            people.append(person)
+            return person
+
+        self.state.update(change)
+        try:
+            self.notes.on_disk(home).mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:  # the home appears with their first note anyway
+            log.warning("people: the home folder of %s was not made (%s)", person["id"], e)
+        log.info("person %s added (home %s)", person["id"], home)
+        return person
+
+    @staticmethod
+    def _check_name(people: list, name: str, but: str | None) -> None:
+        folded = name.casefold()
+        if any(p["name"].casefold() == folded and p["id"] != but for p in people):
+            raise ApiError(409, "CONFLICT", f"someone here is called {name} already")
+
+    def rename(self, person_id: str, raw_name: Any) -> dict:
+        """Rename a person (their home keeps its name); 404 for an unknown id."""
+        name = person_name(raw_name)
+
+        def change(data: dict) -> dict:
+            person = self.get(person_id, data)
+            if person is None:
+                raise not_found(f"no person {person_id[:40]}")
+            self._check_name(data.get("people", []), name, person_id)
+            person["name"] = name
+            return dict(person)
+
+        return self.state.update(change)
+
+    def remove(self, person_id: str) -> list:
+        """Remove a person: in one state change every grant they hold ends (devices, keys,
+        connectors, and what those made: share links, feeds, chat links), their pairings,
+        their memberships and the chats bound to them; their notes stay where they are.
+        Return the grant ids ended; 404 for an unknown id."""
+
+        def change(data: dict) -> list:
+            if self.get(person_id, data) is None:
+                raise not_found(f"no person {person_id[:40]}")
+            gone = self.grants.grants_of_person(data, person_id)
+            self.grants.end_grants(data, gone)
+            data["pairings"] = [p for p in data.get("pairings", []) if p.get("person") != person_id]
+            data["people"] = [p for p in data.get("people", []) if p["id"] != person_id]
+            members = data.get("members", {})
+            for folder in list(members):
+                members[folder] = [m for m in members[folder] if m["person"] != person_id]
+                if not members[folder]:
+                    del members[folder]
+            for hook in self.on_remove:
+                hook(data, person_id)
+            return gone
+
+        gone = self.state.update(change)
+        self.grants.ended(gone)
+        log.info("person %s removed (%d grants ended)", person_id, len(gone))
+        return gone
+
+    # -- sharing --------------------------------------------------------------------------
+
+    def members(self, folder: str) -> list:
+        """Return a folder's members: its own, then those it inherits from the folders above
+        it (`inherited: true`), each with the person's name and who shared."""
+        data = self.state.read()
+        out = []
+        for at, entries in sorted(data.get("members", {}).items()):
+            if not inside(folder, at):
+                continue
+            for m in entries:
+                row = self._member_row(m, data)
+                if at != folder:
+                    row.update({"inherited": True, "from": at})
+                out.append(row)
+        return out
+
+    def _member_row(self, m: dict, data: dict) -> dict:
+        return {
+            "person": m["person"],
+            "name": self.name_of(m["person"], data),
+            "scope": m["scope"],
+            "sharedBy": self.sharer(m.get("sharedBy"), data),
+        }
+
+    def sharer(self, by: Any, data: dict | None = None) -> dict:
+        """Return {id, name} of who shared: a person, or the owner."""
+        person = self.get(by, data) if by else None
+        return {"id": person["id"], "name": person["name"]} if person else dict(OWNER_SHARER)
+
+    def set_members(self, folder: str, raw: Any, principal: Principal) -> list:
+        """Replace a folder's own members with `raw` ([{person, scope}]); return them.
+
+        The owner shares any folder; a person a folder inside their home (403 elsewhere).
+        Each member is a person other than the one sharing and other than the folder's own
+        person (whose home holds it): 400 for an unknown id, oneself, a repeat or a bad
+        scope. Members of the folders above are kept (a deeper share adds, never takes)."""
+        if not isinstance(raw, list) or len(raw) > MAX_PEOPLE:
+            raise bad_request(f"'members' must be a list of at most {MAX_PEOPLE} people")
+        data = self.state.read()
+        sharer = principal.person
+        if sharer:
+            me = self.get(sharer, data)
+            if me is None or not inside(folder, me["home"]):
+                raise ApiError(403, "FORBIDDEN", "a person shares folders of their own home only")
+        owner_home = next((p for p in self.people(data) if inside(folder, p["home"])), None)
+        wanted, seen = [], set()
+        for item in raw:
+            if not isinstance(item, dict):
+                raise bad_request("each member is an object {person, scope}")
+            pid, scope = item.get("person"), item.get("scope", "read")
+            if not isinstance(pid, str) or self.get(pid, data) is None:
+                raise bad_request(f"no person {str(pid)[:40]!r} to share with")
+            if scope not in SHARE_SCOPES:
+                raise bad_request(f"a member's scope is one of {', '.join(SHARE_SCOPES)}")
+            if pid == sharer or (owner_home is not None and pid == owner_home["id"]):
+                raise bad_request("a folder is not shared with the person whose home holds it")
+            if pid in seen:
+                raise bad_request(f"{pid} is named twice")
+            seen.add(pid)
+            wanted.append({"person": pid, "scope": scope, "sharedBy": sharer or "owner"})
+        if not self.notes.on_disk(folder).is_dir():
+            raise not_found(f"no folder at {folder}")
+
+        def change(d: dict) -> None:
+            members = d.setdefault("members", {})
+            known = {p["id"] for p in d.get("people", [])}
+            kept = [m for m in wanted if m["person"] in known]  # (one removed meanwhile)
+            if kept:
+                members[folder] = kept
+            else:
+                members.pop(folder, None)
+            self.grants.drop_unreached_shares(d)  # a member's links to what they lost die
+
+        before = {m["person"] for m in data.get("members", {}).get(folder, [])}
+        self.state.update(change)
+        self.drain(people=before)  # their writes begun before: done before we answer
+        log.info("folder %s shared with %d people", folder, len(wanted))
+        return [self._member_row(m, self.state.read()) for m in wanted]
+
+    def shared_with(self, person_id: str) -> list:
+        """Return the folders shared with a person: [{path, scope, sharedBy}]."""
+        data = self.state.read()
+        out = []
+        for folder, entries in sorted(data.get("members", {}).items()):
+            for m in entries:
+                if m["person"] == person_id:
+                    by = self.sharer(m.get("sharedBy"), data)
+                    out.append({"path": folder, "scope": m["scope"], "sharedBy": by})
+        return out
+
+    def check_folder_change(self, principal: Principal, src: str, dst: str | None) -> None:
+        """Refuse a move of the folder `src` to `dst` (None: its deletion) that would tear a
+        household apart. A person (403) never moves or deletes a folder their reach starts
+        at (their home, a folder shared with them) nor one holding anyone's home, and moves
+        a folder that is shared (or holds one that is) only within their own home, where
+        they may share. Nobody (409) moves a home or a shared folder out of notes/, or a
+        home into another home (or around one). Homes and members then follow the move
+        (folder_moved)."""
+        data = self.state.read()
+        homes = [p["home"] for p in self.people(data)]
+        notes = src.startswith(NOTES + "/")
+        holds_home = [h for h in homes if inside(h, src)] if notes else []
+        holds_share = [f for f in data.get("members", {}) if inside(f, src)] if notes else []
+        if principal.person:
+            where = principal.reach.folder_of(src)
+            if any(where == folder for folder, _ in principal.reach.folders):
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    f"{src} is where this key's reach starts (a home, or a folder shared "
+                    "with it): move or delete what is in it, not the folder itself",
+                )
+            if holds_home:
+                raise ApiError(
+                    403, "FORBIDDEN", f"{src} holds a person's home: only the owner moves it"
+                )
+            me = self.get(principal.person, data)
+            mine = me is not None and inside(src, me["home"])
+            if holds_share and dst is not None and not (mine and inside(dst, me["home"])):
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    f"{src} is shared (or holds a shared folder): it moves within its "
+                    "sharer's home only; unshare it first, or ask the owner",
+                )
+        if dst is None or not (holds_home or holds_share):
+            return
+        if not dst.startswith(NOTES + "/"):
+            raise ApiError(409, "CONFLICT", "a home or a shared folder stays under notes/")
+        for home in holds_home:
+            there = dst + home[len(src) :]
+            if any(o not in holds_home and (inside(there, o) or inside(o, there)) for o in homes):
+                raise ApiError(
+                    409, "CONFLICT", f"{home} would lie in another person's home, or hold one"
+                )
+
+    def folder_moved(self, old: str, new: str) -> None:
+        """Keep homes and members on a folder that moves (old -> new, under notes/), and the
+        share links of the notes in it: called before its notes move, so a person's home
+        and their links never part (called back, new -> old, when the move fails)."""
+
+        def moved(path: str) -> str:
+            return new + path[len(old) :] if inside(path, old) else path
+
+        data = self.state.read()
+        if not any(inside(p["home"], old) for p in self.people(data)) and not any(
+            inside(f, old) for f in data.get("members", {})
+        ):
+            return
+
+        def change(d: dict) -> None:
+            for p in d.get("people", []):
+                p["home"] = moved(p["home"])
+            d["members"] = {moved(f): m for f, m in d.get("members", {}).items()}
+            for share in d.get("shares", []):  # (ahead of its note: it stays its maker's)
+                share["path"] = moved(share["path"])
+
+        self.state.update(change)
+        log.info("people: homes and shares follow %s to %s", old, new)
 
 
 # == src/notesvc/service.py ===================================================
@@ -13314,6 +14286,15 @@ class Service:
         self.grants = GrantStore(  # scoped keys, OAuth grants, share links
             self.state, idle_days=config.device_idle_days
         )
+        self.people = PeopleStore(self.state, self.grants, self.notes)  # and shared folders
+        # A key revoked (or a share removed) mid-request writes nothing once that answered:
+        # each change is entered through writing(), and revocations drain() what it let in.
+        self._gate = threading.Condition()
+        self._writing: dict = {}  # grant id -> [changes under way, its person]
+        for store in (self.notes, self.attachments, self.note_files):
+            store.guard = self.writing
+        self.grants.on_ended.append(lambda gone: self.drain(grants=gone))
+        self.people.drain = self.drain
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
@@ -13324,14 +14305,56 @@ class Service:
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a
-        key's, an app's), as versions record it; None for the owner or outside a request."""
+        key's, an app's; a person's as `<person> · <device>`), as versions record it; None
+        for the owner or outside a request."""
         grant_id = request_principal().grant_id
         if not grant_id:
             return None
-        for g in self.state.read().get("grants", []):
+        data = self.state.read()
+        for g in data.get("grants", []):
             if g["id"] == grant_id:
-                return (g.get("client") or {}).get("name") or g["name"]
+                name = (g.get("client") or {}).get("name") or g["name"]
+                person = self.people.get(g.get("person"), data)
+                return f"{person['name']} · {name}" if person else name
         return None
+
+    @contextlib.contextmanager
+    def writing(self, path: str):
+        """Around one change of `path` by the current request (the stores enter it under
+        the path's lock, before they change anything): its key may still write there
+        (GrantStore.still_writes: 401 revoked, 404/403 a person's share gone), and a
+        revocation or a share's removal that ends that waits (drain) until the change is
+        done. So once `DELETE /people/:id` or a members PUT answers, nothing more is
+        written with what it took away, on any thread."""
+        principal = request_principal()
+        grant_id = principal.grant_id
+        if not grant_id:  # the owner's own key (or no request): nothing to end
+            yield
+            return
+        with self._gate:
+            self.grants.still_writes(principal, path)
+            entry = self._writing.setdefault(grant_id, [0, principal.person])
+            entry[0] += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                entry[0] -= 1
+                if not entry[0]:
+                    self._writing.pop(grant_id, None)
+                    self._gate.notify_all()
+
+    def drain(self, grants: Any = (), people: Any = (), timeout: float = 30.0) -> None:
+        """Wait until the changes under way by these grants, or by any grant of these
+        people, are done (called after the state change that ended or narrowed them)."""
+        grants, people = set(grants), set(people) - {""}
+
+        def busy() -> bool:
+            return any(g in grants or e[1] in people for g, e in self._writing.items())
+
+        with self._gate:
+            if not self._gate.wait_for(lambda: not busy(), timeout):
+                log.warning("writes begun before a revocation were still under way")
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
@@ -13964,7 +14987,7 @@ def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1].rsplit(" ", 1)[0] + "…"
 
 
-def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> list:
+def _hits_in_folder(svc: Service, question: str, folder: str | tuple, limit: int) -> list:
     """Return the top (path, title, text, score) inside a folder (a folder grant's sources):
     the question's words as one OR query of the index, restricted to the folder."""
     words = list(dict.fromkeys(w for w in WORD_RE.findall(fold(question)) if w not in STOPWORDS))
@@ -13974,7 +14997,7 @@ def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> lis
             break
         text = f"{text} OR {word}" if text else word
     try:
-        _, ranked = svc.index.search(Query(text), folder, limit)
+        _, ranked = svc.index.search(Query(text), folder, limit, reach=folder)
     except ApiError:  # no searchable word in the question
         return []
     hits = []
@@ -13985,7 +15008,7 @@ def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> lis
 
 
 def retrieve(
-    svc: Service, question: str, note: str | None, limit: int = 3, folder: str = ""
+    svc: Service, question: str, note: str | None, limit: int = 3, folder: str | tuple = ""
 ) -> list:
     """Return [(path, title, [passages])]: the best hits, best first (inside `folder` only,
     when a folder grant asks).
@@ -14120,7 +15143,7 @@ def available_tools(svc: Service, writes: bool) -> list:
         for t in svc.tools.values()
         if (writes or t.read_only)
         and (not t.plugin or svc.plugin_enabled(t.plugin))
-        and (not who.folder or TOOLS.get(t.name) is t)
+        and (who.whole or TOOLS.get(t.name) is t)
     ]
 
 
@@ -14463,7 +15486,9 @@ def answer_nothing(svc: Service, question: str, found: list) -> tuple:
     raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
 
 
-def ask_agent(svc: Service, question: str, note: str | None = None, folder: str = "") -> dict:
+def ask_agent(
+    svc: Service, question: str, note: str | None = None, folder: str | tuple = ""
+) -> dict:
     """Return the agent's {reply, provider, model, sources} for a question (its sources
     inside `folder` only, when a folder grant asks)."""
     provider = svc.agent_providers[svc.config.agent_provider]
@@ -14482,6 +15507,11 @@ def ask_agent(svc: Service, question: str, note: str | None = None, folder: str 
         paths = [p for p in dict.fromkeys(answer[2]) if p in titles or svc.notes.exists(p)]
     else:
         paths = list(titles)
+    if folder:  # a reach: whatever a provider names, no note outside it is a source
+        within = tuple(
+            f.rstrip("/") + "/" for f in ((folder,) if isinstance(folder, str) else folder)
+        )
+        paths = [p for p in paths if isinstance(p, str) and p.startswith(within)]
     sources = [{"path": p, "title": titles.get(p) or svc.index.title_of(p) or p} for p in paths]
     return {"reply": reply, "provider": provider.name, "model": model, "sources": sources}
 
@@ -16448,14 +17478,16 @@ class Embedder:
 
     # -- what searches ask ---------------------------------------------------------------
 
-    def status(self, folder: str = "") -> dict:
+    def status(self, folder: str | tuple = "") -> dict:
         """Return {embedded, total, model}: notes whose chunks are all embedded, of all the
-        notes beneath `folder` ("" every note): a folder grant's count is its folder's.
-        Both counts are kept as notes change: a look-up each, no walk of the notes."""
+        notes beneath `folder` (or the folders of a reach; "" or () every note): a grant's
+        count is its reach's. Both counts are kept as notes change: look-ups, no walk."""
         store = self.store
         index = self.svc.index
-        if folder:
-            total = index.folder_counts().get(folder.rstrip("/"), 0)
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        if any(folders):
+            counts = index.folder_counts()
+            total = sum(counts.get(f.rstrip("/"), 0) for f in folders if f)
         else:
             total = index.stats().get("documents", 0)
         embedded = min(total, store.count_under(folder)) if store is not None else 0
@@ -16543,7 +17575,7 @@ class Embedder:
             self._failed(e)
             return None
 
-    def fuse_hits(self, question: str, folder: str, hits: list, limit: int) -> list:
+    def fuse_hits(self, question: str, folder: str | tuple, hits: list, limit: int) -> list:
         """Return the agent's sources: keyword hits [(path, title, text, score)] fused with
         the notes nearest the question in meaning (the keyword hits alone when the
         endpoint fails)."""
@@ -16562,7 +17594,7 @@ class Embedder:
                 out.append((path, doc[1], doc[2], score))
         return out
 
-    def nearest(self, vector: list, folder: str, limit: int = MAX_SEMANTIC_NOTES) -> list:
+    def nearest(self, vector: list, folder: str | tuple, limit: int = MAX_SEMANTIC_NOTES) -> list:
         """Return [(path, cosine, chunk)] of the notes nearest a vector that clear the floor:
         a query about nothing in the notes finds nothing by meaning."""
         store = self.store
@@ -16991,14 +18023,21 @@ def update_links(svc: Service, old: str, new: str, linking: set) -> list:
     return changed
 
 
+def relinkable(principal: Principal) -> Callable:
+    """Return test(path): whether a move by `principal` may rewrite the links of the note
+    at path (the notes it may write; the owner's: every one)."""
+    return (lambda _path: True) if principal.whole else principal.may_write
+
+
 def move_and_relink(
     svc: Service, path: str, new: str, if_match: str | None = None, relink: bool = False
 ) -> dict:
     """Move a note (If-Match honoured; never overwrites) and, with `relink`, point the links
     to it at its new path; return its record there with `from` (and `linksUpdated`).
-    A folder grant's move rewrites links inside its folder only."""
-    sees = request_principal().sees
-    linking = set(filter(sees, link_graph(svc).get(path, ()))) if relink else set()
+    Only notes the mover may write are rewritten: a folder grant's, inside its folder; a
+    person's, in their reach and never in a folder shared with them for reading."""
+    writes = relinkable(request_principal())
+    linking = set(filter(writes, link_graph(svc).get(path, ()))) if relink else set()
     rec = svc.notes.move(path, new, if_match)
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking - {path})
@@ -17085,7 +18124,7 @@ def _visible_tags(svc: Service) -> dict:
     """Return {tag: note paths} the request's grant sees (a folder grant: its folder's)."""
     who = request_principal()
     tags = tag_map(svc)
-    if not who.folder:
+    if who.whole:
         return tags
     seen = {t: [p for p in paths if who.sees(p)] for t, paths in tags.items()}
     return {t: paths for t, paths in seen.items() if paths}
@@ -17224,8 +18263,8 @@ def tool_search_notes(
     svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
 ) -> dict:
     parsed = Query(query)
-    folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
-    found = find_notes(svc, parsed, "" if folder == NOTES else folder, limit, 0, mode)
+    within = searched_folders(svc, folder)  # a person's or a folder grant's reach by default
+    found = find_notes(svc, parsed, within, limit, 0, mode, request_principal().folders)
     results = [
         {"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in found["results"]
     ]
@@ -17254,7 +18293,7 @@ def tool_related_notes(svc: Service, path: str, limit: int = 10) -> dict:
     path = visible_note(svc.notes, path)
     if not svc.notes.exists(path):
         raise not_found(f"no note at {path}")
-    near = related_notes(svc, path, request_principal().folder, limit)
+    near = related_notes(svc, path, request_principal().folders, limit)
     return {"path": path, "results": [{"path": p, "title": t, "score": s} for p, t, s in near]}
 
 
@@ -17401,7 +18440,7 @@ def tool_list_tags(svc: Service) -> dict:
     read_only=False,
 )
 def tool_create_note(svc: Service, path: str, content: str) -> dict:
-    return _summary(svc.notes.create(visible_note(svc.notes, path), content))
+    return _summary(svc.notes.create(visible_note(svc.notes, path, write=True), content))
 
 
 @tool(
@@ -17413,7 +18452,7 @@ def tool_create_note(svc: Service, path: str, content: str) -> dict:
     read_only=False,
 )
 def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
 
     def add(old: str) -> str:
         return old + ("\n" if old and not old.endswith("\n") else "") + text.rstrip("\n") + "\n"
@@ -17437,7 +18476,7 @@ def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
     destructive=True,
 )
 def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
 
     def swap(text: str) -> str:
         count = text.count(old)
@@ -17473,7 +18512,7 @@ def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
     idempotent=True,
 )
 def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
-    return _summary(svc.notes.update(visible_note(svc.notes, path), content, etag))
+    return _summary(svc.notes.update(visible_note(svc.notes, path, write=True), content, etag))
 
 
 @tool(
@@ -17495,7 +18534,8 @@ def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
 def tool_move_note(
     svc: Service, path: str, newPath: str, etag: str, updateLinks: bool = False
 ) -> dict:
-    path, new = visible_note(svc.notes, path), visible_note(svc.notes, newPath)
+    path = visible_note(svc.notes, path, write=True)  # write on both sides (a read share: 403)
+    new = visible_note(svc.notes, newPath, write=True)
     rec = move_and_relink(svc, path, new, etag, updateLinks)
     return {**_summary(rec), **{k: rec[k] for k in ("from", "linksUpdated") if k in rec}}
 
@@ -17512,7 +18552,7 @@ def tool_move_note(
     idempotent=True,
 )
 def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
-    done = svc.notes.delete(visible_note(svc.notes, path), etag)
+    done = svc.notes.delete(visible_note(svc.notes, path, write=True), etag)
     return {"path": done["path"], "deleted": True}
 
 
@@ -17525,8 +18565,8 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
     alias_of="search_notes",
 )
 def tool_search(svc: Service, query: str) -> dict:
-    folder = request_principal().folder  # a folder grant searches its folder
-    hits = find_notes(svc, Query(query), folder, 10, 0)["results"]
+    folders = request_principal().folders  # a grant searches its reach
+    hits = find_notes(svc, Query(query), folders, 10, 0, reach=folders)["results"]
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 
@@ -18590,9 +19630,9 @@ def _own_export_place(plan: ImportPlan, name: str, ext: str) -> tuple | None:
     except ApiError as e:
         plan.skip(name, e.message)
         return None
-    folder = getattr(plan, "grant_folder", "")
-    if folder and not Principal("key", "write", folder).sees(want):
-        plan.skip(name, "outside the folder this key may write")
+    grant = getattr(plan, "grant", None)
+    if grant is not None and not grant.whole and not grant.may_write(want):
+        plan.skip(name, "outside the folders this key may write")
         return None
     return ext == "md", want
 
@@ -19698,15 +20738,19 @@ IMPORT_PLANNERS = {
 
 def import_into(svc: Any, raw: Any, kind: str, principal: Principal) -> str:
     """Return the folder an import goes to: `into`, or notes/imported/<kind> (a folder
-    grant's: <its folder>/imported/<kind>); a folder outside a grant's own is 404."""
+    grant's: <its folder>/imported/<kind>; a person's: <home>/imported/<kind>); a folder
+    outside the principal's reach is 404, one it may only read 403."""
     if raw in (None, ""):
-        return f"{principal.folder or NOTES}/imported/{kind}"
+        return f"{principal.home or NOTES}/imported/{kind}"
     folder = folder_path(raw if str(raw).startswith(NOTES) else f"{NOTES}/{str(raw).strip('/')}")
-    own = principal.folder
-    if own and folder != own and not folder.startswith(own + "/"):
-        raise not_found(f"no folder at {folder} (this key writes in {own} only)")
-    if own:
-        no_link_below(svc.notes.on_disk, own, folder, "folder")
+    if principal.whole:
+        return folder
+    holder = next((f for f in principal.folders if inside(folder, f)), None)
+    if holder is None:
+        raise not_found(f"no folder at {folder} (this key writes in its own folders only)")
+    no_link_below(svc.notes.on_disk, holder, folder, "folder")
+    if not principal.may_write(folder):
+        raise ApiError(403, "FORBIDDEN", f"importing into {folder} needs the write scope there")
     return folder
 
 
@@ -19777,7 +20821,7 @@ def import_source(
         return _import_enex(svc, files, into, dry_run, principal, progress)
     where = NOTES if kind == "notesvc" else import_into(svc, into, kind, principal)
     plan = ImportPlan(svc, where, dry_run, progress)
-    plan.grant_folder = principal.folder
+    plan.grant = principal
     IMPORT_PLANNERS[kind](plan, source)
     return plan.report(kind)
 
@@ -19840,11 +20884,8 @@ STORED_TYPES = frozenset(  # already compressed: stored as they are
 def export_files(root: Path, principal: Principal = OWNER) -> Iterable:
     """Yield (name in the zip, file, stat) of every note, attachment and other file the
     grant sees (hidden files, temp files and symbolic links left out), in path order."""
-    tops = (
-        [principal.folder, principal.attachments_folder]
-        if principal.folder
-        else [NOTES, ATTACHMENTS]
-    )
+    folders = principal.folders  # a grant's reach, in path order: notes, then attachments
+    tops = [*folders, *(attachments_twin(f) for f in folders)] if folders else [NOTES, ATTACHMENTS]
     for top in tops:
         base = root / top
         for folder, dirs, files in os.walk(base):
@@ -19893,15 +20934,37 @@ class _ZipOut(io.RawIOBase):
         return data
 
 
-def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | None = None):
+class ExportCut(Exception):
+    """The key an export streams for was revoked (or its person removed) meanwhile."""
+
+
+def export_zip(
+    root: Path,
+    principal: Principal = OWNER,
+    progress: Callable | None = None,
+    still: Callable | None = None,
+):
     """Yield a zip of what export_files() lists, with each file's modification time and a
-    notesvc-export.json manifest, in chunks (nothing is held whole)."""
+    notesvc-export.json manifest, in chunks (nothing is held whole).
+
+    `still(name)`, asked before each file: whether the principal still sees it (a share
+    removed meanwhile: the file is left out); ExportCut from it (the key revoked) ends the
+    stream where it is, without the zip's directory, so the client holds no zip at all."""
     import zipfile
 
     out = _ZipOut()
+    try:
+        yield from _zip_chunks(zipfile, out, root, principal, progress, still)
+    except ExportCut:
+        return
+
+
+def _zip_chunks(zipfile, out, root, principal, progress, still):
     counts = {"notes": 0, "files": 0, "bytes": 0}
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
         for name, full, st in export_files(root, principal):
+            if still is not None and not still(name):
+                continue
             when = time.localtime(max(st.st_mtime, 315532800.0))[:6]  # zip's dates start 1980
             info = zipfile.ZipInfo(name, date_time=when)
             ext = name.rpartition(".")[2].lower()
@@ -19929,6 +20992,7 @@ def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | No
             "notesvc": __version__,
             "exportedAt": iso(utcnow()),
             "folder": principal.folder or None,
+            "folders": list(principal.folders) or None,
             **counts,
         }
         zf.writestr(EXPORT_MANIFEST, json.dumps(manifest, indent=2) + "\n")
@@ -33157,6 +34221,9 @@ class Route:
     jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
     # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
     idempotent: bool = False  # an Idempotency-Key header makes a repeat answer as the first
+    people: bool = False  # an admin route a person's admin device may call too, for what
+    # is their own (their devices, keys, connectors, feeds): every other admin route is the
+    # owner's (403 to a person)
     secret: bool = False  # its answer can carry a secret or a code (a key, a token, a
     # pairing's secret, a share or feed link, an authorisation code): never gzipped
     # (docs/api.md: Compression; a test derives it from the answers of every route)
@@ -33559,7 +34626,23 @@ def verify_key(svc: Service) -> dict:
         if who.kind == "device":  # "Signed in as <device>"
             mine = [g for g in svc.grants.grants() if g["id"] == who.grant_id]
             answer["grant"]["name"] = mine[0]["name"] if mine else "this device"
+    person = svc.people.get(who.person) if who.person else None
+    if person is not None:  # who is signed in, and what they reach (the owner: everything)
+        answer["person"] = {k: person[k] for k in ("id", "name", "home")}
+        answer["reach"] = reach_rows(svc, who)
     return answer
+
+
+def reach_rows(svc: Service, who: Principal) -> list:
+    """Return what a principal reaches, as the menu shows it: [{path, scope, sharedBy}]
+    (sharedBy null for a person's own home)."""
+    shared = {r["path"]: r["sharedBy"] for r in svc.people.shared_with(who.person)}
+    rows = []
+    for folder, scope in who.reach.folders:
+        own = folder == who.reach.home and who.person
+        by = None if own else shared.get(folder, svc.people.sharer(None))
+        rows.append({"path": folder, "scope": scope, "sharedBy": by})
+    return rows
 
 
 def link_client(svc: Service) -> dict:
@@ -33640,19 +34723,27 @@ def _note_response(rec: dict) -> dict:
 INBOX = f"{NOTES}/inbox"  # where a note without a path goes (a folder grant: its folder)
 
 
+def default_folder(principal: Principal) -> str:
+    """Return where a note without a path goes: the owner's notes/inbox, a folder grant's
+    folder, a person's <home>/inbox."""
+    if principal.person and not principal.folder:
+        return f"{principal.home}/inbox"
+    return principal.home or INBOX
+
+
 def create_note(svc: Service) -> dict:
     """POST /notes: {path, content}, or {content, folder?} named from its title."""
     body = read_json(svc.config.max_body_bytes)
     content = field(body, "content")
     if body.get("path") is None:
         principal = request_principal()
-        raw = field(body, "folder", required=False) or principal.folder or INBOX
-        if principal.folder and raw == NOTES:
-            raw = principal.folder
-        folder = visible_folder(svc, raw)
+        raw = field(body, "folder", required=False) or default_folder(principal)
+        if raw == NOTES and not principal.whole:
+            raw = default_folder(principal)
+        folder = writable_folder(svc, raw)
         rec = svc.notes.create_named(folder, title_filename(content), content)
     else:
-        rec = svc.notes.create(visible_note(svc.notes, field(body, "path")), content)
+        rec = svc.notes.create(visible_note(svc.notes, field(body, "path"), write=True), content)
     path = rec["path"]
     script = bottle.request.environ.get("SCRIPT_NAME", "")
     location = f"{script}{API}/notes/{urllib.parse.quote(path, safe='')}"
@@ -33665,8 +34756,7 @@ LIST_FIELDS = ("title", "preview", "modified", "tags")  # a listing's ?fields= (
 
 def list_notes(svc: Service) -> dict:
     raw = query_str("folder") or NOTES
-    folder = visible_folder(svc, raw)  # a folder grant's own, or 404
-    asked = folder_path(raw)
+    asked, folder = visible_folders(svc, raw)  # what a grant reaches of it, or 404
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
     sort = query_str("sort", "path") or "path"
@@ -33681,7 +34771,7 @@ def list_notes(svc: Service) -> dict:
     try:
         return svc.notes.list_page(folder, limit, offset, sort, fields)
     except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
-        if e.status_code != 404 or folder == asked:
+        if e.status_code != 404 or folder == (asked,):
             raise
         return {"notes": [], "total": 0, "limit": limit, "offset": offset}
 
@@ -33694,7 +34784,7 @@ def get_note(svc: Service, path: str) -> bytes:
 
 
 def update_note(svc: Service, path: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     body = read_json(svc.config.max_body_bytes)
     content = field(body, "content")
     if body.get("path") is not None and note_path(field(body, "path")) != path:
@@ -33705,9 +34795,11 @@ def update_note(svc: Service, path: str) -> dict:
 
 
 def move_note(svc: Service, path: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     body = read_json(svc.config.max_body_bytes)
-    new = visible_note(svc.notes, field(body, "path"))  # a folder grant moves within its folder
+    new = visible_note(
+        svc.notes, field(body, "path"), write=True
+    )  # a folder grant moves within its folder
     relink = bool(field(body, "updateLinks", bool, required=False))
     return _note_response(move_and_relink(svc, path, new, if_match_header(), relink))
 
@@ -33715,7 +34807,7 @@ def move_note(svc: Service, path: str) -> dict:
 def merge_note(svc: Service, path: str) -> dict:
     """POST /notes/:path/merge {base, content}: an edit that started from version `base`,
     merged with what changed since (docs/api.md: phone); 409 with `conflictPath` when it clashed."""
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     body = read_json(svc.config.max_body_bytes)
     base = field(body, "base", max_len=100)
     content = field(body, "content")
@@ -33724,7 +34816,7 @@ def merge_note(svc: Service, path: str) -> dict:
     who = title_filename(name or principal_name(svc, request_principal()))
     when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
-    sees = principal.sees if principal.folder else None
+    sees = None if principal.whole else principal.sees
     done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)
     bottle.response.set_header("ETag", done["note"]["etag"])
     return done
@@ -33742,7 +34834,7 @@ def principal_name(svc: Service, principal: Principal) -> str:
 
 
 def delete_note(svc: Service, path: str) -> dict:
-    return svc.notes.delete(visible_note(svc.notes, path), if_match_header())
+    return svc.notes.delete(visible_note(svc.notes, path, write=True), if_match_header())
 
 
 # -- attachments -------------------------------------------------------------------------
@@ -33760,7 +34852,7 @@ def _attachment_response(rec: dict, status: int) -> bytes:
 
 def put_attachment(svc: Service, path: str) -> bytes:
     """PUT the raw bytes: 201 when created, 200 when replaced (If-Match, If-None-Match: *)."""
-    path = visible_attachment(svc.attachments, path)
+    path = visible_attachment(svc.attachments, path, write=True)
     ctype = bottle.request.content_type.split(";")[0].strip().lower()
     if ctype.startswith("multipart/"):
         raise ApiError(
@@ -33808,7 +34900,7 @@ def post_attachment(svc: Service) -> bytes:
             raise bad_request("'path' is not valid UTF-8") from None
         if not raw:
             raise bad_request("'path' is required (attachments/<name>.<extension>)")
-        return visible_attachment(svc.attachments, raw)
+        return visible_attachment(svc.attachments, raw, write=True)
 
     def receive(f) -> None:
         def part(name: str, filename: Any, headers: Any):
@@ -33864,26 +34956,24 @@ def get_attachment(svc: Service, path: str):
 
 def list_attachments(svc: Service) -> dict:
     raw = query_str("folder") or ATTACHMENTS
-    folder = visible_folder(svc, raw, top=ATTACHMENTS)  # a folder grant's own, or 404
-    asked = attachment_folder(raw)
+    asked, folder = visible_folders(svc, raw, top=ATTACHMENTS)  # what a grant reaches of it
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
     try:
         return svc.attachments.list_page(folder, limit, offset)
     except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
-        if e.status_code != 404 or folder == asked:
+        if e.status_code != 404 or folder == (asked,):
             raise
         return {"attachments": [], "total": 0, "limit": limit, "offset": offset}
 
 
 def move_attachment(svc: Service, path: str) -> dict:
-    path = visible_attachment(svc.attachments, path)
+    path = visible_attachment(svc.attachments, path, write=True)
     body = read_json(svc.config.max_body_bytes)
-    new = visible_attachment(svc.attachments, field(body, "path"))
+    new = visible_attachment(svc.attachments, field(body, "path"), write=True)
     relink = field(body, "updateLinks", bool, required=False)
-    linking = (
-        set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
-    )
+    writes = relinkable(request_principal())  # (the notes it may write, as for a note's move)
+    linking = set(filter(writes, attachment_linkers(svc, path))) if relink else set()
     rec = svc.attachments.move(path, new, if_match_header())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
@@ -33892,7 +34982,9 @@ def move_attachment(svc: Service, path: str) -> dict:
 
 
 def delete_attachment(svc: Service, path: str) -> dict:
-    return svc.attachments.delete(visible_attachment(svc.attachments, path), if_match_header())
+    return svc.attachments.delete(
+        visible_attachment(svc.attachments, path, write=True), if_match_header()
+    )
 
 
 # -- folders ---------------------------------------------------------------------------
@@ -33946,7 +35038,7 @@ def list_versions(svc: Service, path: str) -> dict:
     path = visible_note(svc.notes, path)
     limit, offset = _page()
     principal = request_principal()
-    versions = svc.history.versions(path, principal.sees if principal.folder else None)
+    versions = svc.history.versions(path, None if principal.whole else principal.sees)
     if not versions and not svc.notes.exists(path):
         raise not_found(f"no note and no history at {path}")
     page = versions[offset : offset + limit]
@@ -33984,7 +35076,7 @@ def diff_version(svc: Service, path: str, version_id: str) -> dict:
 
 
 def restore_version(svc: Service, path: str, version_id: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     seen = functools.partial(_version_seen, svc, path, version_id)
     return _note_response(svc.notes.restore_version(path, version_id, if_match_header(), seen))
 
@@ -34021,8 +35113,11 @@ def restore_trash_item(svc: Service, item_id: str) -> dict:
     item = _trashed(svc, item_id)
     target = field(body, "path", required=False)
     target = attachment_or_note_path(item.path if target is None else target)
-    if not request_principal().sees(target):  # a folder grant restores into its folder
+    who = request_principal()
+    if not who.sees(target):  # a folder grant restores into its folder
         raise not_found(f"no folder for {target}")
+    if not who.whole and not who.may_write(target):
+        raise ApiError(403, "FORBIDDEN", f"restoring into {target} needs the write scope there")
     top = target.split("/", 1)[0]
     if top != item.path.split("/", 1)[0]:
         raise bad_request(f"a trashed {item.kind} is restored under {item.path.split('/')[0]}/")
@@ -34035,6 +35130,9 @@ def restore_trash_item(svc: Service, item_id: str) -> dict:
 
 def purge_trash_item(svc: Service, item_id: str) -> dict:
     item = _trashed(svc, item_id)
+    who = request_principal()
+    if not who.whole and not who.may_write(item.path):
+        raise ApiError(403, "FORBIDDEN", f"purging {item.path} needs the write scope there")
     svc.trash.purge(item)
     return {"id": item.id, "purged": True}
 
@@ -34043,7 +35141,7 @@ def _granted_changes(page: dict) -> dict:
     """Return a page of the change feed as the request's grant sees it: a folder grant gets
     its folder's changes, a move into it as a creation and a move out of it as a deletion."""
     who = request_principal()
-    if not who.folder:
+    if who.whole:
         return page
     seen = []
     for c in page["changes"]:
@@ -34094,11 +35192,11 @@ def list_changes(svc: Service) -> dict:
 def search_notes(svc: Service) -> dict:
     started = time.perf_counter()
     query = Query(query_str("q"))
-    folder = visible_folder(svc, query_str("folder") or NOTES)  # a folder grant's by default
-    folder = "" if folder == NOTES else folder
+    folder = searched_folders(svc, query_str("folder"))  # the reach's by default
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
-    found = find_notes(svc, query, folder, limit, offset, query_str("mode"))
+    reach = request_principal().folders  # scored within it: nothing else moves a score
+    found = find_notes(svc, query, folder, limit, offset, query_str("mode"), reach)
     results = [
         {"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in found["results"]
     ]
@@ -34112,7 +35210,7 @@ def search_notes(svc: Service) -> dict:
         "fallback": found["fallback"],
     }
     if svc.embedder is not None:  # counted within the caller's reach (a grant: its folder)
-        answer["embeddings"] = svc.embedder.status(request_principal().folder)
+        answer["embeddings"] = svc.embedder.status(request_principal().folders)
     answer["tookMs"] = round((time.perf_counter() - started) * 1000, 3)
     return answer
 
@@ -34122,7 +35220,7 @@ def note_related(svc: Service, path: str) -> dict:
     if not svc.notes.exists(path):
         raise not_found(f"no note at {path}")
     limit = query_int("limit", 10, 1, 50)
-    near = related_notes(svc, path, request_principal().folder, limit)
+    near = related_notes(svc, path, request_principal().folders, limit)
     return {"path": path, "results": [{"path": p, "title": t, "score": s} for p, t, s in near]}
 
 
@@ -34142,7 +35240,7 @@ def agent_chat(svc: Service) -> dict:
     channel = field(body, "channel", required=False)
     if channel is not None and channel not in svc.channel_providers:
         raise bad_request(f"'channel' must be one of {', '.join(svc.channel_providers)}")
-    return ask_agent(svc, message, note, request_principal().folder)
+    return ask_agent(svc, message, note, request_principal().folders)
 
 
 def agent_status(svc: Service) -> dict:
@@ -34172,9 +35270,13 @@ def _days(body: dict, name: str, hi: int, default: int | None) -> int | None:
 
 
 def _grant_folder(body: dict) -> str | None:
-    """Return the folder of a grant's body (None: every note); `notes` itself is None."""
+    """Return the folder of a grant's body (None: every note it may see); `notes` itself
+    is None. A person's grant takes a folder of their reach only (404 for any other)."""
     raw = field(body, "folder", required=False)
     folder = folder_path(raw) if raw is not None else NOTES
+    principal = request_principal()
+    if folder != NOTES and not principal.whole and not principal.sees(folder):
+        raise not_found(f"no folder at {folder}")
     return None if folder == NOTES else folder
 
 
@@ -34194,12 +35296,15 @@ def create_scoped_key(svc: Service) -> dict:
         folder,
         _days(body, "expiresInDays", 3650, None),
         created_by=made_by(request_principal()),
+        person=request_principal().person,
     )
     return {**record, "key": key}
 
 
 def list_scoped_keys(svc: Service) -> dict:
-    return {"keys": svc.grants.grants()}
+    """GET /auth/keys: every grant for the owner; a person's own for a person."""
+    person = request_principal().person
+    return {"keys": svc.grants.grants(person or None)}
 
 
 # -- devices: a phone joins by scanning a code (docs/api.md: Devices) ---------------------------
@@ -34282,15 +35387,17 @@ def new_pairing(
     folder: str | None,
     environ,
     created_by: str,
+    person: str = "",
 ) -> dict:
-    """Make a pairing; return {id, name, scope, folder, createdAt, expiresAt, createdBy,
-    secret, url, origin, via[, qrSvg]}: the secret travels only in the link's fragment."""
+    """Make a pairing (a person's, with `person`); return {id, name, scope, folder,
+    createdAt, expiresAt, createdBy, secret, url, origin, via[, qrSvg]}: the secret travels
+    only in the link's fragment."""
     if scope not in SCOPES:
         raise bad_request("'scope' must be read, write or admin")
     if scope == "admin" and folder:
         raise bad_request("an admin device sees every note: leave out 'folder', or choose write")
     record, secret = grants.create_pairing(
-        name, scope, folder, config.pairing_ttl, created_by=created_by
+        name, scope, folder, config.pairing_ttl, created_by=created_by, person=person
     )
     origin, via = pairing_origin(config, grants.state.read(), environ)
     url = f"{origin}/#pair={secret}"
@@ -34306,9 +35413,8 @@ def create_pairing(svc: Service) -> dict:
     name = clean_name(field(body, "name", required=False, max_len=100), "device")
     scope = field(body, "scope", required=False) or "write"
     folder = _grant_folder(body)
-    env = bottle.request.environ
-    made = made_by(request_principal())
-    return new_pairing(svc.config, svc.grants, name, scope, folder, env, made)
+    env, who = bottle.request.environ, request_principal()
+    return new_pairing(svc.config, svc.grants, name, scope, folder, env, made_by(who), who.person)
 
 
 def get_addresses(svc: Service) -> dict:
@@ -34355,6 +35461,9 @@ def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
     """DELETE /auth/keys/<id>[?cascade=true]: the grant, its share links and the pairings it
     made that wait; with cascade also every grant it made (by `createdBy`, and theirs)."""
     cascade = yes_or_no(bottle.request.query.get("cascade"), "cascade")
+    person = request_principal().person
+    if person and not any(g["id"] == grant_id for g in svc.grants.grants(person)):
+        raise not_found(f"no key or OAuth grant {grant_id}")  # (another's, to a person)
     gone = svc.grants.revoke(grant_id, cascade=cascade)
     if not gone:
         raise not_found(f"no key or OAuth grant {grant_id}")
@@ -34740,7 +35849,8 @@ def oauth_consent(svc: Service) -> dict:
 
 
 def approve_oauth(svc: Service) -> dict:
-    """POST /api/v1/oauth/approve (the owner): an authorisation code for the client."""
+    """POST /api/v1/oauth/approve (the owner, or a person: their connector, within their
+    reach): an authorisation code for the client."""
     body = read_json(svc.config.max_body_bytes)
     env = bottle.request.environ
     client_id = field(body, "clientId", max_len=2000)
@@ -34768,6 +35878,7 @@ def approve_oauth(svc: Service) -> dict:
         "folder": folder,
         "resource": resource,
         "createdBy": made_by(request_principal()),  # the owner, or the admin device
+        "person": request_principal().person,  # a person's admin device: their connector
     }
     redirect = svc.grants.approve(client, redirect_uri, grant, state, issuers[resource])
     log.info("OAuth request of %s approved (%s)", log_safe(client["name"], 100), wanted)
@@ -35053,7 +36164,7 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
     offered = {t.name: t for t in available_tools(svc, svc.config.mcp_write)}
     if name not in offered:
         known = svc.tools.get(name)
-        if known is not None and request_principal().folder and TOOLS.get(name) is not known:
+        if known is not None and not request_principal().whole and TOOLS.get(name) is not known:
             why = f"{name} is a plugin's tool: a connection to one folder gets the built-in tools"
         elif known is not None and not known.read_only and not svc.config.mcp_write:
             why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
@@ -35352,7 +36463,7 @@ def get_plugin(svc: Service, name: str) -> dict:
     info = plugin_info(svc, plugin)
     page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
     who = request_principal()  # a grant sees a page its scope allows, a folder grant a built-in's
-    allowed = page and who.allows(page.scope) and (plugin.builtin or not who.folder)
+    allowed = page and who.allows(page.scope) and (plugin.builtin or who.whole)
     if allowed and info["enabled"]:
         info.update(page.handler(svc))
     return info
@@ -35571,8 +36682,17 @@ def get_export(svc: Service):
     resp.content_type = "application/zip"
     resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
     resp.set_header("Cache-Control", "no-store")
-    log.info("request %s: export of %s", current_request_id(), principal.folder or "every note")
-    return export_zip(svc.config.root, principal)
+    what = ", ".join(principal.folders) or "every note"
+    log.info("request %s: export of %s", current_request_id(), what)
+
+    def still(name: str) -> bool:  # a person removed, a share removed, while it streams
+        now = svc.grants.current(principal.grant_id) if principal.grant_id else principal
+        if now is None:
+            log.info("export ended: its key was revoked while it streamed")
+            raise ExportCut
+        return now.sees(name)
+
+    return export_zip(svc.config.root, principal, still=still)
 
 
 def too_large_for_relay(size: int, limit: int) -> ApiError:
@@ -35640,6 +36760,7 @@ DAV_PROPS_BYTES_PER_PATH = 64 * 1024  # ...in how many characters...
 DAV_PROPS_PATHS = 10000  # ...on how many resources...
 DAV_PROPS_BYTES = 8 << 20  # ...and in how many characters in all
 XML_TYPE = "application/xml; charset=utf-8"
+DAV_CHALLENGE = 'Basic realm="notesvc", charset="UTF-8"'  # a 401's WWW-Authenticate
 NOTE_TYPE = "text/markdown; charset=utf-8"
 _DAV_LIVE = (
     "displayname",
@@ -35935,14 +37056,16 @@ def _dav_walk(path: str, file: str, top: str) -> os.stat_result | None:
 
 
 def dav_grant_sees(principal: Principal, path: str, write: bool = False) -> bool:
-    """A folder grant sees its folders (notes/<f>, attachments/<f>) and what is inside; the
-    folders above them only as the way there, and it writes nothing outside."""
-    if not principal.folder:
+    """A grant sees the folders of its reach (notes/<f>, attachments/<f>) and what is
+    inside; the folders above them only as the way there, and it writes nothing outside
+    them, nor where it may only read."""
+    if principal.whole:
         return True
-    own = (principal.folder, principal.attachments_folder)
-    inside = any(path.startswith(f + "/") for f in own)
+    folders = principal.folders
+    own = (*folders, *(attachments_twin(f) for f in folders))
     if write:  # (its folder itself too: a new folder key's first MKCOL makes it)
-        return inside or path in own
+        return principal.sees(path) and principal.may_write(path)
+    inside = any(path.startswith(f + "/") for f in own)
     return inside or path in own or any(not path or f.startswith(path + "/") for f in own)
 
 
@@ -36597,6 +37720,8 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         raise DavError(400, "a folder is deleted whole: Depth: infinity")
     if request_header("If-Match") and not item.is_dir:
         check_etag(if_match_header(), dav_etag(dav, item), "file")
+    if item.is_dir:  # a person's home, a shared folder: not by its members (403)
+        svc.people.check_folder_change(ctx["principal"], item.path, None)
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
     dav.drop_locks(item.path)  # (RFC 4918 9.6.1)
@@ -36670,12 +37795,25 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     target = dav_item(svc, dst)
     if target.exists and overwrite == "F":
         raise DavError(412, f"/dav/{dst} exists and Overwrite is F")
+    folder_move = move and item.is_dir
+    if folder_move:  # a home or a shared folder: who may move it, and where (409/403)
+        svc.people.check_folder_change(principal, item.path, dst)
     dav_can_place(svc, item, dst, depth)  # before anything changes, the target included
+    if target.exists and target.is_dir:
+        svc.people.check_folder_change(principal, target.path, None)
     if not move:
         dav.props_room(item.path)
     if target.exists:
         dav_delete(svc, dav, target)
-    dav_copy(svc, dav, item, dst, move, depth)
+    if folder_move and item.top == NOTES and dst.startswith(NOTES + "/"):
+        svc.people.folder_moved(item.path, dst)  # homes, members and links follow it
+        try:
+            dav_copy(svc, dav, item, dst, move, depth)
+        except BaseException:
+            svc.people.folder_moved(dst, item.path)
+            raise
+    else:
+        dav_copy(svc, dav, item, dst, move, depth)
     if move:
         dav.drop_locks(item.path)  # (RFC 4918 9.9.4)
         dav_keep_folder(item)
@@ -36822,7 +37960,7 @@ def dav_authenticate(svc: Service, env: dict) -> Principal:
             raise DavError(
                 401,
                 "a key is needed: any user name, the key as the password",
-                headers={"WWW-Authenticate": 'Basic realm="notesvc", charset="UTF-8"'},
+                headers={"WWW-Authenticate": DAV_CHALLENGE},
             ) from None
         raise
 
@@ -36863,7 +38001,8 @@ def dav_answer(svc: Service, env: dict, method: str, raw: str):
     if write and not principal.allows("write"):
         raise DavError(403, f"this key is {principal.scope}-only")
     path = dav_checked(raw)
-    if not dav_grant_sees(principal, path, write=write and method != "UNLOCK"):
+    # (UNLOCK changes nothing; COPY reads its source and writes its Destination, checked there)
+    if not dav_grant_sees(principal, path, write=write and method not in ("UNLOCK", "COPY")):
         if write and dav_grant_sees(principal, path):
             raise DavError(403, "this key may not write here")
         raise DavError(404, f"nothing at /dav/{path}")
@@ -36888,6 +38027,8 @@ def dav_holder(principal: Principal) -> str:
 def dav_error(e: ApiError) -> bottle.HTTPResponse:
     condition = getattr(e, "condition", "")
     headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type",)}
+    if e.status_code == 401:  # (also a key revoked while its write was on its way)
+        headers.setdefault("WWW-Authenticate", DAV_CHALLENGE)
     if condition:
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error xmlns:D="DAV:">'
@@ -36945,6 +38086,8 @@ class CalError(DavError):
 def cal_error(e: ApiError) -> bottle.HTTPResponse:
     condition = getattr(e, "condition", "")
     headers = {k: v for k, v in e.headers.items() if k.lower() != "content-type"}
+    if e.status_code == 401:
+        headers.setdefault("WWW-Authenticate", DAV_CHALLENGE)
     if condition:
         tag = condition if ":" in condition else f"D:{condition}"
         inner = getattr(e, "inner", "")
@@ -37055,7 +38198,7 @@ def cal_options():
 
 
 def _sees(principal: Principal, path: str) -> bool:
-    return not principal.folder or path.startswith(principal.folder + "/")
+    return principal.sees(path)
 
 
 def cal_lists(book: TaskBook, principal: Principal) -> list:
@@ -37147,7 +38290,7 @@ def cal_sync_seq(book: TaskBook, principal: Principal, folder: str | None) -> in
 
 
 def _token_text(principal: Principal, list_id: str, seq: int) -> str:
-    return f"{principal.folder}\n{list_id}\n{seq}"
+    return f"{','.join(principal.folders)}\n{list_id}\n{seq}"
 
 
 def cal_sync_token(book: TaskBook, principal: Principal, lst: dict, seq: int | None = None) -> str:
@@ -37185,7 +38328,10 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     me = _prop("DAV:", "href", xesc(cal_href(ctx, "principal", True)))
     home = _prop("DAV:", "href", xesc(cal_href(ctx, "calendars", True)))
     privs = "<D:privilege><D:read/></D:privilege>"
-    if principal.allows("write"):
+    writes = principal.allows("write")
+    if res["kind"] == "list" and res["folder"] and not principal.whole:
+        writes = principal.may_write(f"{res['folder']}/{TASKS_NOTE}")  # (a read share: no)
+    if writes:
         privs += "".join(
             f"<D:privilege><D:{p}/></D:privilege>"
             for p in ("write", "write-content", "bind", "unbind")
@@ -37867,6 +39013,7 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
             f"<D:href>{xesc(href)}</D:href>",
         )
     if task is not None:
+        cal_may_write(principal, task["path"])
 
         def edit(lines: list, at: int) -> None:
             lines[at] = cal_rewrite(svc, {**task, "text": lines[at]}, new)
@@ -37893,6 +39040,7 @@ def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, n
     parent = book.tasks.get(new["parent"] or "")
     folder = res["list"]["folder"]
     if parent and _sees(principal, parent["path"]) and folder in (None, parent["folder"]):
+        cal_may_write(principal, parent["path"])
         m = TASK_LINE_RE.match(parent["text"])
         indent = m.group(1) + " " * len(m.group(2) + m.group(3))
         line = task_line_of(
@@ -37912,12 +39060,20 @@ def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, n
 
         cal_edit_line(svc, parent, insert)
         return
-    path = f"{folder or principal.folder or INBOX}/{TASKS_NOTE}"
+    path = f"{folder or principal.home or INBOX}/{TASKS_NOTE}"
     if not _sees(principal, path):
         raise DavError(404, f"no task list {res['list']['id']}")
+    cal_may_write(principal, path)
     line = task_line_of(new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"])
     book.claim(path, line, new["uid"], res["href"])
     cal_append(svc, path, line)
+
+
+def cal_may_write(principal: Principal, path: str) -> None:
+    """403 (DAV:need-privileges) where a principal may only read: a folder shared with a
+    person for reading."""
+    if not principal.whole and not principal.may_write(path):
+        raise CalError(403, f"this key may only read {path.rsplit('/', 1)[0]}", "D:need-privileges")
 
 
 def cal_append(svc: Service, path: str, line: str) -> None:
@@ -37949,6 +39105,7 @@ def cal_delete(svc: Service, book: TaskBook, res: dict, ctx: dict):
     if task is None:
         raise DavError(404, f"nothing at /dav/{res['path']}")
     _check_if_match(task)
+    cal_may_write(ctx["principal"], task["path"])
 
     def drop(lines: list, at: int) -> None:
         del lines[at]
@@ -37989,7 +39146,10 @@ FEED_USE_SECONDS = 300  # lastUsedAt is written at most this often
 
 def feed_record(feed: dict) -> dict:
     keys = ("id", "name", "folder", "createdAt", "lastUsedAt", "hint")
-    return {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+    rec = {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+    if feed.get("person"):  # whose it is (the owner lists everyone's)
+        rec["person"] = feed["person"]
+    return rec
 
 
 def feed_url(svc: Service, environ: dict, secret: str) -> str:
@@ -38004,7 +39164,13 @@ def create_feed(svc: Service) -> dict:
     if not name:
         raise bad_request("'name' is empty")
     raw = field(body, "folder", required=False)
-    folder = visible_folder(svc, raw) if raw else request_principal().folder or None
+    who = request_principal()
+    folder = None
+    if raw:  # one folder of its reach (a folder above several of them: 404)
+        asked, shown = visible_folders(svc, raw)
+        if shown != (asked,):
+            raise not_found(f"no folder at {asked}")
+        folder = asked
     secret, now = secrets.token_urlsafe(24), time.time()
     feed = {
         "id": "fd_" + secrets.token_hex(6),
@@ -38014,8 +39180,10 @@ def create_feed(svc: Service) -> dict:
         "lastUsedAt": None,
         "hint": secret[-4:],
         "secretHash": key_hash(secret),
-        "createdBy": request_principal().grant_id or "owner",
+        "createdBy": who.grant_id or "owner",
     }
+    if who.person:  # a person's feed: listed to them, and it reads as much as they do
+        feed["person"] = who.person
 
     def change(data: dict) -> None:
         feeds = data.get("feeds", [])
@@ -38030,12 +39198,19 @@ def create_feed(svc: Service) -> dict:
     return {**feed_record(feed), "url": url, "homeOnly": opens_only_at_home(url)}
 
 
+def _feeds_seen(svc: Service) -> list:
+    """The feeds the request may list and delete: all for the owner, a person's own."""
+    person = request_principal().person
+    feeds = svc.state.read().get("feeds", [])
+    return [f for f in feeds if not person or f.get("person") == person]
+
+
 def list_feeds(svc: Service) -> dict:
-    return {"feeds": [feed_record(f) for f in svc.state.read().get("feeds", [])]}
+    return {"feeds": [feed_record(f) for f in _feeds_seen(svc)]}
 
 
 def delete_feed(svc: Service, feed_id: str) -> dict:
-    if not any(f["id"] == feed_id for f in svc.state.read().get("feeds", [])):
+    if not any(f["id"] == feed_id for f in _feeds_seen(svc)):
         raise not_found(f"no calendar feed {feed_id}")
 
     def change(data: dict) -> None:
@@ -38083,7 +39258,9 @@ def get_feed(svc: Service, name: str):
         svc.state.update(change)
     book = task_book(svc)
     book.refresh()
-    reader = Principal("key", "read", feed.get("folder") or "")
+    maker = svc.grants.principal_by_id(feed.get("createdBy"))  # (live: checked above)
+    reach = (maker or OWNER).reach.narrowed(feed.get("folder") or "", "read")
+    reader = Principal("key", "read", reach=reach)
     origin = svc.base_url(bottle.request.environ).rstrip("/")
     parts: list = []
     for task in cal_list_tasks(book, reader, None):
@@ -38113,6 +39290,108 @@ def feed_events(task: dict) -> list:
         ]
         out += ["TRANSP:TRANSPARENT", "END:VEVENT"]
     return out
+
+
+# == src/notesvc/http/people.py ===============================================
+# Handlers for people and shared folders: a household on one server (docs/api.md: People).
+
+
+def _person(svc: Service, person_id: str) -> dict:
+    person = svc.people.get(person_id)
+    if person is None:
+        raise not_found(f"no person {person_id[:40]}")
+    return person
+
+
+def add_person(svc: Service) -> dict:
+    """POST /people (the owner): a person, their home, and a pairing for their first
+    device (admin for their own things, ten minutes, once)."""
+    body = read_json(svc.config.max_body_bytes)
+    who = request_principal()
+    person = svc.people.add(body.get("name"), body.get("home"), created_by=made_by(who))
+    env = bottle.request.environ
+    name = clean_name(f"{person['name']}'s first device", "device")
+    pairing = new_pairing(
+        svc.config, svc.grants, name, "admin", None, env, made_by(who), person["id"]
+    )
+    bottle.response.status = 201
+    return {"person": PeopleStore.public(person), "pairing": pairing}
+
+
+def list_people(svc: Service) -> dict:
+    return {"people": svc.people.listed()}
+
+
+def rename_person(svc: Service, person_id: str) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    if "name" not in body:
+        raise bad_request("'name' is required")
+    return {"person": PeopleStore.public(svc.people.rename(person_id, body["name"]))}
+
+
+def remove_person(svc: Service, person_id: str) -> dict:
+    """DELETE /people/:id: everything the person holds ends at once; their notes stay."""
+    gone = svc.people.remove(person_id)
+    return {"id": person_id, "removed": True, "revoked": gone}
+
+
+def create_person_pairing(svc: Service, person_id: str) -> dict:
+    """POST /people/:id/pairings (the owner): a pairing for one more device of a person,
+    in their reach (a folder of it, when asked)."""
+    person = _person(svc, person_id)
+    body = read_json(svc.config.max_body_bytes, required=False)
+    name = clean_name(field(body, "name", required=False, max_len=100), "device")
+    scope = field(body, "scope", required=False) or "write"
+    raw = field(body, "folder", required=False)
+    folder = folder_path(raw) if raw is not None else NOTES
+    if folder != NOTES and not svc.grants.person_sees(person_id, folder):
+        raise not_found(f"no folder at {folder} in {person['name']}'s reach")
+    env, who = bottle.request.environ, request_principal()
+    folder_or_none = None if folder == NOTES else folder
+    answer = new_pairing(
+        svc.config, svc.grants, name, scope, folder_or_none, env, made_by(who), person_id
+    )
+    bottle.response.status = 201
+    return answer
+
+
+def _shared_folder(svc: Service, raw: str) -> str:
+    """Return a folder whose members the request may see: inside its reach (404 beyond)."""
+    folder, shown = visible_folders(svc, raw)
+    if shown != (folder,) or folder == NOTES:
+        raise (
+            not_found(f"no folder at {folder}")
+            if folder != NOTES
+            else bad_request(f"{NOTES} itself is not shared: share a folder in it")
+        )
+    return folder
+
+
+def get_members(svc: Service, path: str) -> dict:
+    folder = _shared_folder(svc, path)
+    if not svc.notes.on_disk(folder).is_dir():  # (moved away, or never made)
+        raise not_found(f"no folder at {folder}")
+    return {"path": folder, "members": svc.people.members(folder)}
+
+
+def put_members(svc: Service, path: str) -> dict:
+    """PUT /folders/:path/members {members: [{person, scope}]}: replaces the folder's own
+    members (write on the folder; a person's, inside their home)."""
+    folder = _shared_folder(svc, path)
+    who = request_principal()
+    if not who.whole and not who.may_write(folder):
+        raise ApiError(403, "FORBIDDEN", f"sharing {folder} needs the write scope there")
+    body = read_json(svc.config.max_body_bytes)
+    if "members" not in body:
+        raise bad_request("'members' is required: a list of {person, scope}")
+    svc.people.set_members(folder, body["members"], who)
+    return {"path": folder, "members": svc.people.members(folder)}
+
+
+def list_shared_with_me(svc: Service) -> dict:
+    """GET /shared: the folders shared with the person asking (none for the owner)."""
+    person = request_principal().person
+    return {"folders": svc.people.shared_with(person) if person else []}
 
 
 # == src/notesvc/http/routes.py ===============================================
@@ -38846,6 +40125,7 @@ ROUTES = (
         status=201,
         tag="auth",
         scope="admin",
+        people=True,
         secret=True,
     ),
     Route(
@@ -38856,6 +40136,7 @@ ROUTES = (
         "URL; mcpVia relay, public, home or page) reach this server",
         tag="auth",
         scope="admin",
+        people=True,
     ),
     Route(
         "POST",
@@ -38893,6 +40174,7 @@ ROUTES = (
         status=201,
         tag="grants",
         scope="admin",
+        people=True,
         secret=True,
     ),
     Route(
@@ -38902,6 +40184,7 @@ ROUTES = (
         summary="Scoped keys and OAuth grants (no secrets)",
         tag="grants",
         scope="admin",
+        people=True,
     ),
     Route(
         "DELETE",
@@ -38912,6 +40195,7 @@ ROUTES = (
         params={"cascade": {"type": "boolean"}},
         tag="grants",
         scope="admin",
+        people=True,
     ),
     Route(
         "POST",
@@ -38981,9 +40265,18 @@ ROUTES = (
         status=201,
         tag="grants",
         scope="admin",
+        people=True,
         secret=True,
     ),
-    Route("GET", "/auth/feeds", list_feeds, summary="Calendar feeds", tag="grants", scope="admin"),
+    Route(
+        "GET",
+        "/auth/feeds",
+        list_feeds,
+        summary="Calendar feeds",
+        tag="grants",
+        scope="admin",
+        people=True,
+    ),
     Route(
         "DELETE",
         "/auth/feeds/<feed_id>",
@@ -38991,6 +40284,7 @@ ROUTES = (
         summary="Delete a calendar feed: its URL stops working",
         tag="grants",
         scope="admin",
+        people=True,
     ),
     Route(
         "GET",
@@ -39025,7 +40319,7 @@ ROUTES = (
         "POST",
         "/oauth/approve",
         approve_oauth,
-        summary="The owner approves an OAuth request: the redirect with its code",
+        summary="The owner or a person approves an OAuth request: the redirect with its code",
         body=_obj(
             ["clientId", "redirectUri", "codeChallenge", "scope"],
             clientId={**_STR, "minLength": 1, "maxLength": 2000},
@@ -39038,7 +40332,102 @@ ROUTES = (
         ),
         tag="grants",
         scope="admin",
+        people=True,
         secret=True,  # the authorisation code, beside the client's own `state`
+    ),
+    Route(
+        "POST",
+        "/people",
+        add_person,
+        summary="Add a person (the owner): their home folder, and a pairing for their first "
+        "device, shown once",
+        body=_obj(
+            ["name"],
+            name={**_STR, "minLength": 1, "maxLength": 64, "pattern": NOT_BLANK_PATTERN},
+            home=_FOLDER_PATH,
+        ),
+        status=201,
+        tag="people",
+        scope="admin",
+        secret=True,
+    ),
+    Route(
+        "GET",
+        "/people",
+        list_people,
+        summary="The people of this server, with their devices",
+        tag="people",
+        scope="admin",
+    ),
+    Route(
+        "PATCH",
+        "/people/<person_id>",
+        rename_person,
+        summary="Rename a person (their home keeps its name)",
+        body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 64}),
+        tag="people",
+        scope="admin",
+    ),
+    Route(
+        "DELETE",
+        "/people/<person_id>",
+        remove_person,
+        summary="Remove a person: every device, key, connector, feed, share link, pairing "
+        "and chat link they hold ends at once; their notes stay",
+        tag="people",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/people/<person_id>/pairings",
+        create_person_pairing,
+        summary="A pairing for one more device of a person, in their reach; shown once",
+        body=_obj(
+            [],
+            name={**_STR, "maxLength": 100},
+            scope={"enum": list(SCOPES)},
+            folder=_FOLDER_PATH,
+        ),
+        status=201,
+        tag="people",
+        scope="admin",
+        secret=True,
+    ),
+    Route(
+        "GET",
+        "/folders/<path:path>/members",
+        get_members,
+        summary="Who a folder is shared with: its own members, then those of the folders "
+        "above it (inherited)",
+        params={"path": FOLDER_PATH_PARAM},
+        tag="people",
+        scope="read",
+    ),
+    Route(
+        "PUT",
+        "/folders/<path:path>/members",
+        put_members,
+        summary="Share a folder: replace its members (the owner any folder, a person one of "
+        "their home)",
+        params={"path": FOLDER_PATH_PARAM},
+        body=_obj(
+            ["members"],
+            members={
+                "type": "array",
+                "maxItems": 50,
+                "items": _obj(["person"], person=_STR, scope={"enum": ["read", "write"]}),
+            },
+        ),
+        tag="people",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/shared",
+        list_shared_with_me,
+        summary="The folders shared with the person asking, with who shared them",
+        tag="people",
+        scope="read",
     ),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
@@ -39314,6 +40703,13 @@ def _callback(svc: Service, route: Route) -> Callable:
                     403,
                     "FORBIDDEN",
                     f"this needs the {route.scope} scope; this key holds {principal.scope}",
+                )
+            if principal.person and route.scope == "admin" and not route.people:
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    "this is the owner's: a person manages their own devices, keys, "
+                    "connectors and feeds only",
                 )
             env["notesvc.principal"] = principal
         once = svc.idempotency.key(route, env) if route.idempotent else None

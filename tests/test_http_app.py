@@ -159,6 +159,9 @@ def secret_answers(ask, key: str, note: str = "notes/shared.md") -> dict:
     claim = {"secret": made["secret"], "deviceName": long}
     call("POST", f"{API}/auth/devices/claim", body=claim)
     call("POST", f"{API}/auth/feeds", body={"name": long}, headers=owner)
+    person = call("POST", f"{API}/people", body={"name": "Ann " + "n" * 50}, headers=owner)
+    more = f"{API}/people/{person['data']['person']['id']}/pairings"
+    call("POST", f"{API}/people/<person_id>/pairings", more, body={"name": long}, headers=owner)
     ask("POST", f"{API}/notes", body={"path": note, "content": "x"}, headers=owner)
     call("POST", f"{API}/shares", body={"path": note}, headers=owner)
     call("POST", f"{API}/channels", body={"provider": "web", "name": long}, headers=owner)

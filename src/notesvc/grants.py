@@ -7,6 +7,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -78,32 +79,175 @@ CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_-]{43}\Z")  # BASE64URL(SHA-256(verifier
 CIMD_TIMEOUT, CIMD_MAX_BYTES, CIMD_CACHE_SECONDS = 5.0, 65536, 3600.0
 
 
+def lower_scope(a: str, b: str) -> str:
+    """Return the lower of two scopes (a grant's own, and what a share gives)."""
+    return a if SCOPE_RANK[a] <= SCOPE_RANK[b] else b
+
+
+def inside(path: str, folder: str) -> bool:
+    """Return whether a path is `folder` itself or lies beneath it."""
+    return path == folder or path.startswith(folder + "/")
+
+
+def attachments_twin(folder: str) -> str:
+    """Return the attachments folder that goes with a notes folder (notes/x -> attachments/x)."""
+    return ATTACHMENTS + folder[len(NOTES) :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reach:
+    """The folders a principal sees, each with the scope it holds there: everything (the
+    owner's key, devices and connectors), or a list of folders under notes/ (a folder grant:
+    one; a person: their home and the folders shared with them). Attachments follow notes:
+    `attachments/x` is reached with `notes/x`. Built once per state by reach_of(), the one
+    place that decides who sees what; every surface asks a principal's reach."""
+
+    folders: tuple = ()  # ((folder, scope), ...) by folder; nothing when not everything
+    everything: bool = False
+    home: str = ""  # where what it makes goes by default: a folder grant's, a person's home
+
+    @property
+    def tops(self) -> tuple:
+        """Return the reached folders none of the others holds: what a filter needs."""
+        names = sorted({f for f, _ in self.folders})
+        return tuple(f for f in names if not any(inside(f, o) and f != o for o in names))
+
+    def folder_of(self, path: str) -> str:
+        """Return the notes folder a note, attachment or folder path stands for (its
+        attachments/ twin mapped back to notes/)."""
+        if path == ATTACHMENTS or path.startswith(ATTACHMENTS + "/"):
+            return NOTES + path[len(ATTACHMENTS) :]
+        return path
+
+    def scope_at(self, path: str) -> str | None:
+        """Return the scope held at a path (the highest of the reached folders holding it;
+        a deeper share may add to the one above, never take away); None: not reached."""
+        if self.everything:
+            return "admin"
+        where = self.folder_of(path)
+        held = [scope for folder, scope in self.folders if inside(where, folder)]
+        return max(held, key=SCOPE_RANK.__getitem__) if held else None
+
+    @functools.cached_property
+    def _lookup(self) -> tuple:
+        """(the prefixes of the reached folders and their attachments twins, those folders)"""
+        folders = (*self.tops, *map(attachments_twin, self.tops))
+        return tuple(f + "/" for f in folders), frozenset(folders)
+
+    def sees(self, path: str) -> bool:
+        """Return whether a note, attachment or folder path lies inside a reached folder
+        (what scope_at() holds somewhere; asked for every entry a listing or a feed filters)."""
+        if self.everything:
+            return True
+        prefixes, folders = self._lookup
+        return path.startswith(prefixes) or path in folders
+
+    def way_down(self, folder: str) -> tuple:
+        """Return the reached folders beneath `folder` (an ancestor of them, not reached
+        itself): what a listing of it shows."""
+        return tuple(t for t in self.tops if t.startswith(folder + "/"))
+
+    def narrowed(self, folder: str, scope: str) -> Reach:
+        """Return this reach within one folder and at most one scope (a grant's own)."""
+        if self.everything:
+            return Reach(((folder, scope),), home=folder) if folder else self
+        kept = []
+        for f, s in self.folders:
+            if not folder or inside(f, folder):
+                kept.append((f, lower_scope(s, scope)))
+            elif inside(folder, f):
+                kept.append((folder, lower_scope(s, scope)))
+        home = folder or self.home
+        return Reach(tuple(sorted(set(kept))), home=home if kept else "")
+
+
+EVERYTHING = Reach(everything=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Principal:
-    """Who a request acts for: the owner (API key, JWT, auth off) or one grant."""
+    """Who a request acts for: the owner (API key, JWT, auth off) or one grant (of the owner
+    or of a person), with the reach it sees (Reach)."""
 
     kind: str  # "owner", "key" (a scoped key), "device" (a paired device) or "oauth"
     scope: str  # read, write or admin
-    folder: str = ""  # "notes/family": the grant sees that folder only; "" everything
+    folder: str = ""  # the grant's own folder ("notes/family"): it sees within it only
     grant_id: str = ""
     resource: str = ""  # an OAuth token's audience: the MCP URL it was issued for
+    person: str = ""  # the person whose grant this is ("": the owner's)
+    reach: Reach = EVERYTHING  # what it sees (reach_of); a folder alone: that folder
+
+    def __post_init__(self) -> None:
+        if self.folder and self.reach.everything:  # Principal(kind, scope, folder): as before
+            reach = Reach(((self.folder, self.scope),), home=self.folder)
+            object.__setattr__(self, "reach", reach)
 
     def allows(self, scope: str) -> bool:
         return SCOPE_RANK[self.scope] >= SCOPE_RANK[scope]
 
     @property
-    def attachments_folder(self) -> str:
-        """Return the attachments folder a folder grant sees (notes/x -> attachments/x)."""
-        return ATTACHMENTS + self.folder[len(NOTES) :] if self.folder else ""
+    def whole(self) -> bool:
+        """Return whether it sees every note (the owner's key and the owner's whole grants)."""
+        return self.reach.everything
+
+    @property
+    def folders(self) -> tuple:
+        """Return the folders it sees as a filter: () for everything."""
+        return () if self.reach.everything else self.reach.tops
+
+    @property
+    def home(self) -> str:
+        """Return where what it makes goes by default: its own folder, a person's home, else
+        "" (the owner's defaults, each in its place)."""
+        return self.reach.home
 
     def sees(self, path: str) -> bool:
-        """Return whether a note or attachment path lies inside the grant's folder."""
-        return not self.folder or path.startswith(
-            (self.folder + "/", self.attachments_folder + "/")
-        )
+        """Return whether a note, attachment or folder path lies inside its reach."""
+        return self.reach.sees(path)
+
+    def may_write(self, path: str) -> bool:
+        """Return whether it may write at a path: its scope and the reach's both say so."""
+        held = self.reach.scope_at(path)
+        return held is not None and self.allows("write") and SCOPE_RANK[held] >= 1
 
 
 OWNER = Principal("owner", "admin")
+
+
+def person_reach(data: dict, person_id: str) -> Reach:
+    """Return what a person reaches in the state `data`: their home (write) and each folder
+    shared with them at the share's scope; nothing for a person who is gone."""
+    person = next((p for p in data.get("people", []) if p["id"] == person_id), None)
+    if person is None:
+        return Reach()
+    folders = {(person["home"], "write")}
+    for folder, members in data.get("members", {}).items():
+        folders |= {(folder, m["scope"]) for m in members if m["person"] == person_id}
+    return Reach(tuple(sorted(folders)), home=person["home"])
+
+
+def reach_of(data: dict, grant: dict | None) -> Reach:
+    """Return the reach of a grant (None: the owner's own key) in the state `data`: the one
+    place that decides who sees what. The owner's grants see everything, or their folder;
+    a person's see the person's reach, within the grant's folder and at its scope at most."""
+    if grant is None:
+        return EVERYTHING
+    base = person_reach(data, grant["person"]) if grant.get("person") else EVERYTHING
+    return base.narrowed(grant.get("folder") or "", grant["scope"])
+
+
+def principal_of(data: dict, grant: dict) -> Principal:
+    """Return who a grant (a key, a device, an OAuth grant) acts as in the state `data`."""
+    return Principal(
+        grant["kind"],
+        grant["scope"],
+        grant.get("folder") or "",
+        grant["id"],
+        grant.get("resource", ""),
+        grant.get("person") or "",
+        reach_of(data, grant),
+    )
+
 
 # Who made a grant, a pairing or a share link (its `createdBy`): the owner's own key,
 # the command line on the server, or else the id of the grant (an admin device) that did.
@@ -150,82 +294,144 @@ def no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
             raise not_found(f"no {what} at {path}")
 
 
-def _visible(raw: Any, check_path: Callable, top: str, on_disk: Callable, what: str) -> str:
-    """Return `check_path(raw)` for a grant that sees folder `top` ("" everything); 404
-    ("no <what> at ...") outside it.
+def reached_folders(principal: Principal, top: str = NOTES) -> tuple:
+    """Return the folders a principal sees under `top` (notes/ or attachments/, whose twins
+    they are): () for everything."""
+    folders = principal.folders
+    return folders if top == NOTES else tuple(attachments_twin(f) for f in folders)
+
+
+def _visible(raw: Any, check_path: Callable, folders: tuple, on_disk: Callable, what: str) -> str:
+    """Return `check_path(raw)` for a principal that sees `folders` (() everything); 404
+    ("no <what> at ...") outside them.
 
     The folder test comes first, so `..`, another folder's file by any encoding, or a
     symbolic link that leads out of the folder all answer as if nothing were there; then
-    the path's own rules (400), then no symbolic link below `top` on disk.
+    the path's own rules (400), then no symbolic link below the folder on disk.
     """
-    if not top:
+    if not folders:
         return check_path(raw)
-    if _escapes(raw, top):
+    holder = next((f for f in folders if not _escapes(raw, f)), None)
+    if holder is None:
         raise not_found(f"no {what} at {str(raw)[:MAX_PATH_CHARS]}")
     path = check_path(raw)
-    no_link_below(on_disk, top, path, what)
+    no_link_below(on_disk, holder, path, what)
     return path
 
 
-def visible_note(store: NoteStore, raw: Any, principal: Principal | None = None) -> str:
-    """Return a checked note path the request's grant may see: outside its folder 404."""
-    folder = (principal or request_principal()).folder
-    return _visible(raw, note_path, folder, store.on_disk, "note")
+def _writable(principal: Principal, path: str, what: str) -> str:
+    """Return path when the principal may write there; 403 naming the scope it holds."""
+    if principal.whole or principal.may_write(path):
+        return path
+    held = principal.reach.scope_at(path) or principal.scope
+    raise ApiError(
+        403,
+        "FORBIDDEN",
+        f"this needs the write scope at {path}: this key holds {held} there "
+        f"(a {what} in a folder shared for reading)",
+    )
 
 
-def visible_attachment(store: Any, raw: Any, principal: Principal | None = None) -> str:
-    """Return a checked attachment path the request's grant may see (its folder's match
-    under attachments/); 404 outside it, as for notes."""
-    top = (principal or request_principal()).attachments_folder
-    return _visible(raw, attachment_path, top, lambda p: store.base / p, "attachment")
-
-
-def visible_note_file(store: Any, raw: Any, principal: Principal | None = None) -> str:
-    """Return a checked path of a file beside the notes that the grant may see; 404 outside
-    its folder, as for notes."""
-    folder = (principal or request_principal()).folder
-    return _visible(raw, note_file_path, folder, lambda p: store.base / p, "attachment")
-
-
-def visible_folder(
-    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
+def visible_note(
+    store: NoteStore, raw: Any, principal: Principal | None = None, write: bool = False
 ) -> str:
-    """Return the folder a listing of `raw` shows a grant: raw itself inside its folder (no
-    symbolic link on the way), the grant's folder for an ancestor of it; 404 for any other
-    folder. `top` (notes or attachments) by default."""
+    """Return a checked note path the request's principal may see (with write, may change):
+    outside its reach 404, in a part of it it may only read 403."""
     principal = principal or request_principal()
-    own = principal.folder if top == NOTES else principal.attachments_folder
+    path = _visible(raw, note_path, reached_folders(principal), store.on_disk, "note")
+    return _writable(principal, path, "note") if write else path
+
+
+def visible_attachment(
+    store: Any, raw: Any, principal: Principal | None = None, write: bool = False
+) -> str:
+    """Return a checked attachment path the principal may see (its folders' twins under
+    attachments/); 404 outside them, as for notes (with write, 403 where it may only read)."""
+    principal = principal or request_principal()
+    folders = reached_folders(principal, ATTACHMENTS)
+    path = _visible(raw, attachment_path, folders, lambda p: store.base / p, "attachment")
+    return _writable(principal, path, "file") if write else path
+
+
+def visible_note_file(
+    store: Any, raw: Any, principal: Principal | None = None, write: bool = False
+) -> str:
+    """Return a checked path of a file beside the notes that the principal may see; 404
+    outside its reach, as for notes (with write, 403 where it may only read)."""
+    principal = principal or request_principal()
+    folders = reached_folders(principal)
+    path = _visible(raw, note_file_path, folders, lambda p: store.base / p, "attachment")
+    return _writable(principal, path, "file") if write else path
+
+
+def visible_folders(
+    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
+) -> tuple:
+    """Return (the folder asked, the folders a listing of it shows the principal): the
+    folder itself inside its reach (no symbolic link on the way), the reached folders
+    beneath an ancestor of them; 404 for any other folder. `top`: notes (or attachments)."""
+    principal = principal or request_principal()
+    own = reached_folders(principal, top)
     if own and isinstance(raw, str) and {".", ".."} & set(raw.split("/")):
         raise not_found(f"no folder at {raw[:MAX_PATH_CHARS]}")
     folder = (folder_path if top == NOTES else attachment_folder)(raw or top)
-    if not own or folder == own:
-        return folder
-    if folder.startswith(own + "/"):
+    if not own:
+        return folder, (folder,)
+    holder = next((f for f in own if inside(folder, f)), None)
+    if holder is not None:
         base = svc.attachments.base
         on_disk = svc.notes.on_disk if top == NOTES else (lambda p: base / p)
-        no_link_below(on_disk, own, folder, "folder")
-        return folder
-    if folder == top or own.startswith(folder + "/"):
-        return own
+        no_link_below(on_disk, holder, folder, "folder")
+        return folder, (folder,)
+    below = tuple(f for f in own if f.startswith(folder + "/"))
+    if below:
+        return folder, below
     raise not_found(f"no folder at {folder}")
+
+
+def searched_folders(svc: Service, raw: Any, principal: Principal | None = None) -> tuple:
+    """Return the folders a search of folder `raw` (None or "": the top) looks in, for the
+    request's principal: () every note (the owner at the top), else the folder itself inside
+    its reach or the reached folders beneath it; 404 for any other folder. Pass the
+    principal's `folders` beside it as the search's reach (SearchIndex.search)."""
+    _, shown = visible_folders(svc, raw or NOTES, principal)
+    return () if shown == (NOTES,) else shown
+
+
+def writable_folder(svc: Service, raw: Any, principal: Principal | None = None) -> str:
+    """Return a folder the principal may make notes in (inside its reach, at write); 404
+    outside it, 403 where it may only read."""
+    principal = principal or request_principal()
+    folder, shown = visible_folders(svc, raw, principal)
+    if shown != (folder,):
+        raise not_found(f"no folder at {folder}")
+    return _writable(principal, folder, "note")
 
 
 def granted_tree(
     svc: Service, raw: Any, depth: int | None = None, count: Callable | None = None
 ) -> dict:
-    """Return the tree of a folder as the request's grant sees it (`depth` and `count` as
-    NoteStore.tree takes them): a folder above the grant's own holds only the way down."""
-    folder = visible_folder(svc, raw)  # a folder grant's own, or 404
-    asked = folder_path(raw)
-    if folder == asked:
-        return svc.notes.tree(folder, depth, count)
-    way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to its own
-    left = None if depth is None else depth - len(way)
-    if left is not None and left < 0:  # the cut falls on the way down
-        path = "/".join([asked, *way[:depth]])
-        notes = count(folder) if count else len(svc.notes.walk(folder))
-        node = {"name": way[depth - 1], "path": path, "type": "folder", "count": notes}
-    else:
+    """Return the tree of a folder as the request's principal sees it (`depth` and `count`
+    as NoteStore.tree takes them): a folder above the ones it reaches holds only the ways
+    down to them."""
+    asked, shown = visible_folders(svc, raw)  # what it reaches of the folder, or 404
+    if shown == (asked,):
+        return svc.notes.tree(asked, depth, count)
+    root = {"name": asked.rsplit("/", 1)[-1], "path": asked, "type": "folder", "children": []}
+    for folder in shown:
+        way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to it
+        left = None if depth is None else depth - len(way)
+        if left is not None and left < 0:  # the cut falls on the way down
+            notes = count(folder) if count else len(svc.notes.walk(folder))
+            at = _way_node(root, way[: depth - 1])
+            cut = next((c for c in at["children"] if c["name"] == way[depth - 1]), None)
+            if cut is None:
+                cut = {"name": way[depth - 1], "path": f"{at['path']}/{way[depth - 1]}"}
+                cut.update({"type": "folder", "count": 0})
+                at["children"].append(cut)
+            cut["count"] += notes
+            at["children"].sort(key=lambda c: c["name"])
+            continue
         try:
             node = svc.notes.tree(folder, left, count)
         except ApiError as e:
@@ -233,14 +439,23 @@ def granted_tree(
                 raise
             node = {"name": way[-1], "path": folder, "type": "folder"}
             node.update({"count": 0} if left == 0 else {"children": []})
-    while node["path"] != asked:
-        parent = node["path"].rsplit("/", 1)[0]
-        node = {
-            "name": parent.rsplit("/", 1)[-1],
-            "path": parent,
-            "type": "folder",
-            "children": [node],
-        }
+        at = _way_node(root, way[:-1])
+        at["children"].append(node)
+        at["children"].sort(key=lambda c: c["name"])
+    return root
+
+
+def _way_node(root: dict, way: list) -> dict:
+    """Return the folder node at root/way, adding the folders on the way (in name order)."""
+    node = root
+    for name in way:
+        child = next((c for c in node["children"] if c["name"] == name), None)
+        if child is None:
+            path = f"{node['path']}/{name}"
+            child = {"name": name, "path": path, "type": "folder", "children": []}
+            node["children"].append(child)
+            node["children"].sort(key=lambda c: c["name"])
+        node = child
     return node
 
 
@@ -460,14 +675,16 @@ class GrantStore:
         self.state, self.clock = state, clock
         self.idle = idle_days * 86400  # a paired device's key ends this long after its last use
         self._lock = threading.Lock()
-        self._cache: tuple = (
-            None,
-            {},
-        )  # (state it was built from, hash -> (kind, principal, expires, idle since))
+        # (state it was built from, hash -> (kind, principal, expires, idle since),
+        # grant id -> (principal, expires, idle since))
+        self._cache: tuple = (None, {}, {})
         self._used: dict = {}  # grant id -> when it was last used, not yet written
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
         self.metadata: dict = {}  # client_id URL -> (fetched at, document)
+        # (ids) -> None, run once a revocation's state change is written: the Service waits
+        # there for the writes the grants had begun (Service.drain)
+        self.on_ended: list = []
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
@@ -478,23 +695,52 @@ class GrantStore:
     # -- authenticating -------------------------------------------------------------
 
     def _index(self) -> dict:
+        return self._indexes()[0]
+
+    def _indexes(self) -> tuple:
+        """Return (by secret hash, by grant id) of the grants in the state now."""
         data = self.state.read()
-        built_from, index = self._cache
+        built_from, index, by_id = self._cache
         if built_from is data:
-            return index
-        index = {}
+            return index, by_id
+        index, by_id = {}, {}
         for g in data.get("grants", []):
-            p = Principal(
-                g["kind"], g["scope"], g.get("folder") or "", g["id"], g.get("resource", "")
-            )
+            p = principal_of(data, g)
             expires = epoch_of(g.get("expiresAt"))
+            by_id[g["id"]] = (p, expires, self._idle_since(g))
             if g.get("keyHash"):
                 index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
                 until = min(expires, epoch_of(g.get("accessExpiresAt")))
                 index[g["accessHash"]] = ("access", p, until, None)
-        self._cache = (data, index)
-        return index
+        self._cache = (data, index, by_id)
+        return index, by_id
+
+    def current(self, grant_id: str) -> Principal | None:
+        """Return who a grant acts as in the state now (its reach as it is now), None when
+        it is gone: revoked, expired, or its person removed."""
+        found = self._indexes()[1].get(grant_id)
+        if found is None:
+            return None
+        principal, expires, since = found
+        if since is not None:  # a paired device: its last use, as expires() counts it
+            expires = max(since, self._used.get(grant_id, 0.0)) + self.idle
+        return principal if expires > self.clock() else None
+
+    def still_writes(self, principal: Principal, path: str) -> None:
+        """Raise unless a request's principal may still write at `path` now: its grant may
+        have ended (401), or a person's reach shrunk (404; 403 where they may only read)
+        on another thread since its key was checked."""
+        if not principal.grant_id:
+            return  # the owner's own key (or no request): nothing to end
+        now = self.current(principal.grant_id)
+        if now is None:
+            raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+        if not now.person or now.may_write(path):
+            return  # (a folder grant's reach is its folder: it never changes)
+        if now.sees(path):
+            raise ApiError(403, "FORBIDDEN", f"this needs the write scope at {path}")
+        raise not_found(f"nothing at {path[:MAX_PATH_CHARS]} in this key's reach")
 
     def _idle_since(self, g: dict) -> float | None:
         """Return when a paired device without an expiry of its own was last used, as
@@ -569,13 +815,20 @@ class GrantStore:
             "lastUsedAt": iso(last) if last else g.get("lastUsedAt"),
             "createdBy": g.get("createdBy"),  # null: made before it was recorded
         }
+        if g.get("person"):
+            rec["person"] = g["person"]
         if g["kind"] == "oauth":
             rec["client"] = dict(g["client"])
         return rec
 
-    def grants(self) -> list:
-        """Return every grant without its secrets (keys and OAuth grants)."""
-        return [self._public(g) for g in self.state.read().get("grants", [])]
+    def grants(self, person: str | None = None) -> list:
+        """Return every grant without its secrets (keys and OAuth grants); with `person`,
+        that person's only ("" the owner's)."""
+        return [
+            self._public(g)
+            for g in self.state.read().get("grants", [])
+            if person is None or (g.get("person") or "") == person
+        ]
 
     def _check_maker(self, data: dict, maker: Any, now: float) -> None:
         """Refuse (401) to record what a grant made once that grant is gone: a request that
@@ -600,10 +853,17 @@ class GrantStore:
         self.state.update(change)
 
     def create_key(
-        self, name: str, scope: str, folder: str | None, days: int | None, *, created_by: str
+        self,
+        name: str,
+        scope: str,
+        folder: str | None,
+        days: int | None,
+        *,
+        created_by: str,
+        person: str = "",
     ) -> tuple:
         """Return (the key's record, the key itself) of a new scoped key; created_by is
-        "owner", "cli" or the id of the grant that made it."""
+        "owner", "cli" or the id of the grant that made it; person: whose key it is."""
         key, now = GRANT_KEY_PREFIX + secrets.token_urlsafe(32), self.clock()
         grant = {
             "id": "gr_" + secrets.token_hex(6),
@@ -617,6 +877,8 @@ class GrantStore:
             "keyHash": key_hash(key),
             "createdBy": created_by,
         }
+        if person:
+            grant["person"] = person
         self._add_grant(grant)
         log.info("scoped key %s (%s%s) created", grant["id"], scope, f" {folder}" if folder else "")
         return self._public(grant), key
@@ -624,7 +886,14 @@ class GrantStore:
     # -- devices: a pairing's one-time secret, claimed for a device key ------------------
 
     def create_pairing(
-        self, name: str, scope: str, folder: str | None, ttl: int, *, created_by: str
+        self,
+        name: str,
+        scope: str,
+        folder: str | None,
+        ttl: int,
+        *,
+        created_by: str,
+        person: str = "",
     ) -> tuple:
         """Return (the pairing's record, its one-time secret): 128 random bits, kept only
         as their SHA-256, good once within ttl seconds, and only while the grant that made
@@ -641,11 +910,17 @@ class GrantStore:
             "expiresAt": iso(now + ttl),
             "createdBy": created_by,
         }
+        if person:
+            pairing["person"] = person
 
         def change(data: dict) -> None:
             self._check_maker(data, created_by, now)
             live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
-            if len(live) >= MAX_PAIRINGS:
+            if person and not any(p["id"] == person for p in data.get("people", [])):
+                raise not_found(f"no person {person}")  # removed meanwhile
+            # the owner's and the people's wait apart: adding people never blocks the owner
+            mine = [p for p in live if bool(p.get("person")) == bool(person)]
+            if len(mine) >= MAX_PAIRINGS:
                 raise ApiError(
                     409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
                 )
@@ -691,6 +966,10 @@ class GrantStore:
                 "pairing": found["id"],
                 "createdBy": maker,  # whoever made the pairing made the device
             }
+            if found.get("person"):
+                if not any(p["id"] == found["person"] for p in data.get("people", [])):
+                    return None  # the person was removed: the pairing went with them
+                device["person"] = found["person"]
             data["grants"] = [*grants, device]
             if found["scope"] == "admin" and found.get("createdBy") == MADE_BY_CLI:
                 data["setupComplete"] = True  # `pair` on the server: its owner set it up
@@ -731,28 +1010,61 @@ class GrantStore:
             if not any(g["id"] == grant_id for g in grants):
                 return []
             gone = [grant_id, *(self._made_by(grants, grant_id) if cascade else [])]
-            data["grants"] = [g for g in grants if g["id"] not in gone]
-            data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") not in gone]
-            for name, what in (("pairings", "pairing"), ("feeds", "calendar feed")):
-                kept = [x for x in data.get(name, []) if x.get("createdBy") not in gone]
-                if len(kept) < len(data.get(name, [])):
-                    ended = len(data[name]) - len(kept)
-                    log.info("%d %s(s) made by %s ended", ended, what, grant_id)
-                    data[name] = kept
-            for hook in self.on_revoke:
-                hook(data, gone)
+            self.end_grants(data, gone)
             return gone
 
         if not any(g["id"] == grant_id for g in self.state.read().get("grants", [])):
             return []
         gone = self.state.update(change)
+        self.ended(gone)
+        return gone
+
+    def end_grants(self, data: dict, gone: list) -> None:
+        """End the grants `gone` and the secrets they made, inside one state change."""
+        data["grants"] = [g for g in data.get("grants", []) if g["id"] not in gone]
+        data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") not in gone]
+        for name, what in (("pairings", "pairing"), ("feeds", "calendar feed")):
+            kept = [x for x in data.get(name, []) if x.get("createdBy") not in gone]
+            if len(kept) < len(data.get(name, [])):
+                ended = len(data[name]) - len(kept)
+                log.info("%d %s(s) made by %s ended", ended, what, ", ".join(gone[:3]))
+                data[name] = kept
+        for hook in self.on_revoke:
+            hook(data, gone)
+
+    def ended(self, gone: list) -> None:
+        """Forget what lives in memory for grants just ended (after their state change),
+        once the writes they had begun are done (nothing is written after this returns)."""
+        for hook in self.on_ended:
+            hook(gone)
         with self._lock:  # codes they approved are redeemed for nothing
             for h in [h for h, c in self.codes.items() if c.get("createdBy") in gone]:
                 del self.codes[h]
         for g in gone:
             self._used.pop(g, None)
             log.info("grant %s revoked", g)
-        return gone
+
+    def grants_of_person(self, data: dict, person_id: str) -> list:
+        """Return the ids of a person's grants and of all those they made, in `data`."""
+        grants = data.get("grants", [])
+        theirs = [g["id"] for g in grants if g.get("person") == person_id]
+        out = list(theirs)
+        for grant_id in theirs:
+            out += [g for g in self._made_by(grants, grant_id) if g not in out]
+        return out
+
+    def principal_by_id(self, grant_id: Any) -> Principal | None:
+        """Return who a grant acts as now: None when `grant_id` names no grant (the owner or
+        the CLI made the thing asked about); a principal reaching nothing for a grant gone."""
+        if not made_by_grant(grant_id):
+            return None
+        data = self.state.read()
+        g = next((g for g in data.get("grants", []) if g["id"] == grant_id), None)
+        return principal_of(data, g) if g else Principal("key", "read", reach=Reach())
+
+    def person_sees(self, person_id: str, path: str) -> bool:
+        """Return whether a person reaches a path (their home, a folder shared with them)."""
+        return person_reach(self.state.read(), person_id).sees(path)
 
     def live_maker(self, created_by: Any) -> bool:
         """Return whether what `created_by` made may still be used: made by the owner or
@@ -1009,6 +1321,8 @@ class GrantStore:
             "createdBy": entry.get("createdBy"),
             "usedRefresh": [],
         }
+        if entry.get("person"):  # a person's connector: their reach, never more
+            grant["person"] = entry["person"]
         answer = self._tokens(grant, now)
         try:
             self._add_grant(grant)
@@ -1117,21 +1431,34 @@ class GrantStore:
     def shares(self, principal: Principal) -> list:
         """Return the share links a principal sees: a grant its own (while their notes are
         in its folder), the owner (and an admin device) all."""
-        now = self.clock()
+        now, data = self.clock(), self.state.read()
         return [
             self.share_record(s)
-            for s in self.state.read().get("shares", [])
+            for s in data.get("shares", [])
             if epoch_of(s["expiresAt"]) > now
             and (
-                principal.allows("admin")
-                or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
+                (principal.allows("admin") and self._owns_share(principal, s, data))
+                or s.get("grantId") == principal.grant_id
             )
+            and principal.sees(s["path"])  # (the owner's: everything)
         ]
 
+    @staticmethod
+    def _owns_share(principal: Principal, share: dict, data: dict) -> bool:
+        """Return whether an admin principal manages a share link: the owner's every one, a
+        person's admin device those made by the person's grants."""
+        if not principal.person:
+            return True
+        maker = next((g for g in data.get("grants", []) if g["id"] == share.get("grantId")), None)
+        return maker is not None and maker.get("person") == principal.person
+
     def revoke_share(self, share_id: str, principal: Principal) -> bool:
+        data = self.state.read()
+
         def mine(s: dict) -> bool:
             return s["id"] == share_id and (
-                principal.allows("admin") or s.get("grantId") == principal.grant_id
+                (principal.allows("admin") and self._owns_share(principal, s, data))
+                or s.get("grantId") == principal.grant_id
             )
 
         if not any(map(mine, self.state.read().get("shares", []))):
@@ -1156,9 +1483,28 @@ class GrantStore:
                     return s, OWNER
                 for g in data.get("grants", []):
                     if g["id"] == s["grantId"] and self.expires(g) > now:
-                        return s, Principal(g["kind"], g["scope"], g.get("folder") or "", g["id"])
+                        return s, principal_of(data, g)
                 return None
         return None
+
+    @staticmethod
+    def drop_unreached_shares(data: dict) -> None:
+        """Inside a state change: end the share links a person's grant made for a note the
+        person no longer reads (the folder's share removed, the note moved out of their
+        reach): a link dies when its maker loses the note."""
+        shares = data.get("shares", [])
+        if not shares or not any(g.get("person") for g in data.get("grants", [])):
+            return
+        grants = {g["id"]: g for g in data.get("grants", [])}
+        kept = []
+        for s in shares:
+            maker = grants.get(s.get("grantId"))
+            if maker and maker.get("person") and not reach_of(data, maker).sees(s["path"]):
+                log.info("share link %s ended: its maker no longer reads its note", s["id"])
+                continue
+            kept.append(s)
+        if len(kept) < len(shares):
+            data["shares"] = kept
 
     def on_note_event(self, event: str, path: str, detail: Any) -> None:
         """Keep share links on their note: a move takes them along, a delete ends them."""
@@ -1175,5 +1521,6 @@ class GrantStore:
                 for s in shares:
                     if s["path"] == path:
                         s["path"] = detail[0]
+                self.drop_unreached_shares(data)  # (moved out of its maker's reach)
 
         self.state.update(change)

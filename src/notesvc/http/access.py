@@ -67,9 +67,13 @@ def _days(body: dict, name: str, hi: int, default: int | None) -> int | None:
 
 
 def _grant_folder(body: dict) -> str | None:
-    """Return the folder of a grant's body (None: every note); `notes` itself is None."""
+    """Return the folder of a grant's body (None: every note it may see); `notes` itself
+    is None. A person's grant takes a folder of their reach only (404 for any other)."""
     raw = field(body, "folder", required=False)
     folder = folder_path(raw) if raw is not None else NOTES
+    principal = request_principal()
+    if folder != NOTES and not principal.whole and not principal.sees(folder):
+        raise not_found(f"no folder at {folder}")
     return None if folder == NOTES else folder
 
 
@@ -89,12 +93,15 @@ def create_scoped_key(svc: Service) -> dict:
         folder,
         _days(body, "expiresInDays", 3650, None),
         created_by=made_by(request_principal()),
+        person=request_principal().person,
     )
     return {**record, "key": key}
 
 
 def list_scoped_keys(svc: Service) -> dict:
-    return {"keys": svc.grants.grants()}
+    """GET /auth/keys: every grant for the owner; a person's own for a person."""
+    person = request_principal().person
+    return {"keys": svc.grants.grants(person or None)}
 
 
 # -- devices: a phone joins by scanning a code (docs/api.md: Devices) ---------------------------
@@ -177,15 +184,17 @@ def new_pairing(
     folder: str | None,
     environ,
     created_by: str,
+    person: str = "",
 ) -> dict:
-    """Make a pairing; return {id, name, scope, folder, createdAt, expiresAt, createdBy,
-    secret, url, origin, via[, qrSvg]}: the secret travels only in the link's fragment."""
+    """Make a pairing (a person's, with `person`); return {id, name, scope, folder,
+    createdAt, expiresAt, createdBy, secret, url, origin, via[, qrSvg]}: the secret travels
+    only in the link's fragment."""
     if scope not in SCOPES:
         raise bad_request("'scope' must be read, write or admin")
     if scope == "admin" and folder:
         raise bad_request("an admin device sees every note: leave out 'folder', or choose write")
     record, secret = grants.create_pairing(
-        name, scope, folder, config.pairing_ttl, created_by=created_by
+        name, scope, folder, config.pairing_ttl, created_by=created_by, person=person
     )
     origin, via = pairing_origin(config, grants.state.read(), environ)
     url = f"{origin}/#pair={secret}"
@@ -201,9 +210,8 @@ def create_pairing(svc: Service) -> dict:
     name = clean_name(field(body, "name", required=False, max_len=100), "device")
     scope = field(body, "scope", required=False) or "write"
     folder = _grant_folder(body)
-    env = bottle.request.environ
-    made = made_by(request_principal())
-    return new_pairing(svc.config, svc.grants, name, scope, folder, env, made)
+    env, who = bottle.request.environ, request_principal()
+    return new_pairing(svc.config, svc.grants, name, scope, folder, env, made_by(who), who.person)
 
 
 def get_addresses(svc: Service) -> dict:
@@ -250,6 +258,9 @@ def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
     """DELETE /auth/keys/<id>[?cascade=true]: the grant, its share links and the pairings it
     made that wait; with cascade also every grant it made (by `createdBy`, and theirs)."""
     cascade = yes_or_no(bottle.request.query.get("cascade"), "cascade")
+    person = request_principal().person
+    if person and not any(g["id"] == grant_id for g in svc.grants.grants(person)):
+        raise not_found(f"no key or OAuth grant {grant_id}")  # (another's, to a person)
     gone = svc.grants.revoke(grant_id, cascade=cascade)
     if not gone:
         raise not_found(f"no key or OAuth grant {grant_id}")
@@ -635,7 +646,8 @@ def oauth_consent(svc: Service) -> dict:
 
 
 def approve_oauth(svc: Service) -> dict:
-    """POST /api/v1/oauth/approve (the owner): an authorisation code for the client."""
+    """POST /api/v1/oauth/approve (the owner, or a person: their connector, within their
+    reach): an authorisation code for the client."""
     body = read_json(svc.config.max_body_bytes)
     env = bottle.request.environ
     client_id = field(body, "clientId", max_len=2000)
@@ -663,6 +675,7 @@ def approve_oauth(svc: Service) -> dict:
         "folder": folder,
         "resource": resource,
         "createdBy": made_by(request_principal()),  # the owner, or the admin device
+        "person": request_principal().person,  # a person's admin device: their connector
     }
     redirect = svc.grants.approve(client, redirect_uri, grant, state, issuers[resource])
     log.info("OAuth request of %s approved (%s)", log_safe(client["name"], 100), wanted)

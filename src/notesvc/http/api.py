@@ -23,10 +23,12 @@ from notesvc.grants import (
     clean_name,
     granted_tree,
     request_principal,
+    searched_folders,
     visible_attachment,
-    visible_folder,
+    visible_folders,
     visible_note,
     visible_note_file,
+    writable_folder,
 )
 from notesvc.helpers import (
     BODY_CHUNK,
@@ -52,9 +54,9 @@ from notesvc.helpers import (
 from notesvc.http.route import conditional_download, file_chunks, none_match
 from notesvc.notes.history import VERSION_ID_RE
 from notesvc.notes.merge import title_filename, unified_diff
-from notesvc.notes.paths import ATTACHMENTS, NOTES, attachment_folder, folder_path, note_path
+from notesvc.notes.paths import ATTACHMENTS, NOTES, note_path
 from notesvc.notes.trash import attachment_or_note_path
-from notesvc.plugins import attachment_linkers, move_and_relink, update_links
+from notesvc.plugins import attachment_linkers, move_and_relink, relinkable, update_links
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import MAX_MESSAGE_CHARS, MCP_VERSIONS
 from notesvc.relay_client import RELAY_WORKERS
@@ -319,7 +321,23 @@ def verify_key(svc: Service) -> dict:
         if who.kind == "device":  # "Signed in as <device>"
             mine = [g for g in svc.grants.grants() if g["id"] == who.grant_id]
             answer["grant"]["name"] = mine[0]["name"] if mine else "this device"
+    person = svc.people.get(who.person) if who.person else None
+    if person is not None:  # who is signed in, and what they reach (the owner: everything)
+        answer["person"] = {k: person[k] for k in ("id", "name", "home")}
+        answer["reach"] = reach_rows(svc, who)
     return answer
+
+
+def reach_rows(svc: Service, who: Principal) -> list:
+    """Return what a principal reaches, as the menu shows it: [{path, scope, sharedBy}]
+    (sharedBy null for a person's own home)."""
+    shared = {r["path"]: r["sharedBy"] for r in svc.people.shared_with(who.person)}
+    rows = []
+    for folder, scope in who.reach.folders:
+        own = folder == who.reach.home and who.person
+        by = None if own else shared.get(folder, svc.people.sharer(None))
+        rows.append({"path": folder, "scope": scope, "sharedBy": by})
+    return rows
 
 
 def link_client(svc: Service) -> dict:
@@ -400,19 +418,27 @@ def _note_response(rec: dict) -> dict:
 INBOX = f"{NOTES}/inbox"  # where a note without a path goes (a folder grant: its folder)
 
 
+def default_folder(principal: Principal) -> str:
+    """Return where a note without a path goes: the owner's notes/inbox, a folder grant's
+    folder, a person's <home>/inbox."""
+    if principal.person and not principal.folder:
+        return f"{principal.home}/inbox"
+    return principal.home or INBOX
+
+
 def create_note(svc: Service) -> dict:
     """POST /notes: {path, content}, or {content, folder?} named from its title."""
     body = read_json(svc.config.max_body_bytes)
     content = field(body, "content")
     if body.get("path") is None:
         principal = request_principal()
-        raw = field(body, "folder", required=False) or principal.folder or INBOX
-        if principal.folder and raw == NOTES:
-            raw = principal.folder
-        folder = visible_folder(svc, raw)
+        raw = field(body, "folder", required=False) or default_folder(principal)
+        if raw == NOTES and not principal.whole:
+            raw = default_folder(principal)
+        folder = writable_folder(svc, raw)
         rec = svc.notes.create_named(folder, title_filename(content), content)
     else:
-        rec = svc.notes.create(visible_note(svc.notes, field(body, "path")), content)
+        rec = svc.notes.create(visible_note(svc.notes, field(body, "path"), write=True), content)
     path = rec["path"]
     script = bottle.request.environ.get("SCRIPT_NAME", "")
     location = f"{script}{API}/notes/{urllib.parse.quote(path, safe='')}"
@@ -425,8 +451,7 @@ LIST_FIELDS = ("title", "preview", "modified", "tags")  # a listing's ?fields= (
 
 def list_notes(svc: Service) -> dict:
     raw = query_str("folder") or NOTES
-    folder = visible_folder(svc, raw)  # a folder grant's own, or 404
-    asked = folder_path(raw)
+    asked, folder = visible_folders(svc, raw)  # what a grant reaches of it, or 404
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
     sort = query_str("sort", "path") or "path"
@@ -441,7 +466,7 @@ def list_notes(svc: Service) -> dict:
     try:
         return svc.notes.list_page(folder, limit, offset, sort, fields)
     except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
-        if e.status_code != 404 or folder == asked:
+        if e.status_code != 404 or folder == (asked,):
             raise
         return {"notes": [], "total": 0, "limit": limit, "offset": offset}
 
@@ -454,7 +479,7 @@ def get_note(svc: Service, path: str) -> bytes:
 
 
 def update_note(svc: Service, path: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     body = read_json(svc.config.max_body_bytes)
     content = field(body, "content")
     if body.get("path") is not None and note_path(field(body, "path")) != path:
@@ -465,9 +490,11 @@ def update_note(svc: Service, path: str) -> dict:
 
 
 def move_note(svc: Service, path: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     body = read_json(svc.config.max_body_bytes)
-    new = visible_note(svc.notes, field(body, "path"))  # a folder grant moves within its folder
+    new = visible_note(
+        svc.notes, field(body, "path"), write=True
+    )  # a folder grant moves within its folder
     relink = bool(field(body, "updateLinks", bool, required=False))
     return _note_response(move_and_relink(svc, path, new, if_match_header(), relink))
 
@@ -475,7 +502,7 @@ def move_note(svc: Service, path: str) -> dict:
 def merge_note(svc: Service, path: str) -> dict:
     """POST /notes/:path/merge {base, content}: an edit that started from version `base`,
     merged with what changed since (docs/api.md: phone); 409 with `conflictPath` when it clashed."""
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     body = read_json(svc.config.max_body_bytes)
     base = field(body, "base", max_len=100)
     content = field(body, "content")
@@ -484,7 +511,7 @@ def merge_note(svc: Service, path: str) -> dict:
     who = title_filename(name or principal_name(svc, request_principal()))
     when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
-    sees = principal.sees if principal.folder else None
+    sees = None if principal.whole else principal.sees
     done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)
     bottle.response.set_header("ETag", done["note"]["etag"])
     return done
@@ -502,7 +529,7 @@ def principal_name(svc: Service, principal: Principal) -> str:
 
 
 def delete_note(svc: Service, path: str) -> dict:
-    return svc.notes.delete(visible_note(svc.notes, path), if_match_header())
+    return svc.notes.delete(visible_note(svc.notes, path, write=True), if_match_header())
 
 
 # -- attachments -------------------------------------------------------------------------
@@ -520,7 +547,7 @@ def _attachment_response(rec: dict, status: int) -> bytes:
 
 def put_attachment(svc: Service, path: str) -> bytes:
     """PUT the raw bytes: 201 when created, 200 when replaced (If-Match, If-None-Match: *)."""
-    path = visible_attachment(svc.attachments, path)
+    path = visible_attachment(svc.attachments, path, write=True)
     ctype = bottle.request.content_type.split(";")[0].strip().lower()
     if ctype.startswith("multipart/"):
         raise ApiError(
@@ -568,7 +595,7 @@ def post_attachment(svc: Service) -> bytes:
             raise bad_request("'path' is not valid UTF-8") from None
         if not raw:
             raise bad_request("'path' is required (attachments/<name>.<extension>)")
-        return visible_attachment(svc.attachments, raw)
+        return visible_attachment(svc.attachments, raw, write=True)
 
     def receive(f) -> None:
         def part(name: str, filename: Any, headers: Any):
@@ -624,26 +651,24 @@ def get_attachment(svc: Service, path: str):
 
 def list_attachments(svc: Service) -> dict:
     raw = query_str("folder") or ATTACHMENTS
-    folder = visible_folder(svc, raw, top=ATTACHMENTS)  # a folder grant's own, or 404
-    asked = attachment_folder(raw)
+    asked, folder = visible_folders(svc, raw, top=ATTACHMENTS)  # what a grant reaches of it
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
     try:
         return svc.attachments.list_page(folder, limit, offset)
     except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
-        if e.status_code != 404 or folder == asked:
+        if e.status_code != 404 or folder == (asked,):
             raise
         return {"attachments": [], "total": 0, "limit": limit, "offset": offset}
 
 
 def move_attachment(svc: Service, path: str) -> dict:
-    path = visible_attachment(svc.attachments, path)
+    path = visible_attachment(svc.attachments, path, write=True)
     body = read_json(svc.config.max_body_bytes)
-    new = visible_attachment(svc.attachments, field(body, "path"))
+    new = visible_attachment(svc.attachments, field(body, "path"), write=True)
     relink = field(body, "updateLinks", bool, required=False)
-    linking = (
-        set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
-    )
+    writes = relinkable(request_principal())  # (the notes it may write, as for a note's move)
+    linking = set(filter(writes, attachment_linkers(svc, path))) if relink else set()
     rec = svc.attachments.move(path, new, if_match_header())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
@@ -652,7 +677,9 @@ def move_attachment(svc: Service, path: str) -> dict:
 
 
 def delete_attachment(svc: Service, path: str) -> dict:
-    return svc.attachments.delete(visible_attachment(svc.attachments, path), if_match_header())
+    return svc.attachments.delete(
+        visible_attachment(svc.attachments, path, write=True), if_match_header()
+    )
 
 
 # -- folders ---------------------------------------------------------------------------
@@ -706,7 +733,7 @@ def list_versions(svc: Service, path: str) -> dict:
     path = visible_note(svc.notes, path)
     limit, offset = _page()
     principal = request_principal()
-    versions = svc.history.versions(path, principal.sees if principal.folder else None)
+    versions = svc.history.versions(path, None if principal.whole else principal.sees)
     if not versions and not svc.notes.exists(path):
         raise not_found(f"no note and no history at {path}")
     page = versions[offset : offset + limit]
@@ -744,7 +771,7 @@ def diff_version(svc: Service, path: str, version_id: str) -> dict:
 
 
 def restore_version(svc: Service, path: str, version_id: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     seen = functools.partial(_version_seen, svc, path, version_id)
     return _note_response(svc.notes.restore_version(path, version_id, if_match_header(), seen))
 
@@ -781,8 +808,11 @@ def restore_trash_item(svc: Service, item_id: str) -> dict:
     item = _trashed(svc, item_id)
     target = field(body, "path", required=False)
     target = attachment_or_note_path(item.path if target is None else target)
-    if not request_principal().sees(target):  # a folder grant restores into its folder
+    who = request_principal()
+    if not who.sees(target):  # a folder grant restores into its folder
         raise not_found(f"no folder for {target}")
+    if not who.whole and not who.may_write(target):
+        raise ApiError(403, "FORBIDDEN", f"restoring into {target} needs the write scope there")
     top = target.split("/", 1)[0]
     if top != item.path.split("/", 1)[0]:
         raise bad_request(f"a trashed {item.kind} is restored under {item.path.split('/')[0]}/")
@@ -795,6 +825,9 @@ def restore_trash_item(svc: Service, item_id: str) -> dict:
 
 def purge_trash_item(svc: Service, item_id: str) -> dict:
     item = _trashed(svc, item_id)
+    who = request_principal()
+    if not who.whole and not who.may_write(item.path):
+        raise ApiError(403, "FORBIDDEN", f"purging {item.path} needs the write scope there")
     svc.trash.purge(item)
     return {"id": item.id, "purged": True}
 
@@ -803,7 +836,7 @@ def _granted_changes(page: dict) -> dict:
     """Return a page of the change feed as the request's grant sees it: a folder grant gets
     its folder's changes, a move into it as a creation and a move out of it as a deletion."""
     who = request_principal()
-    if not who.folder:
+    if who.whole:
         return page
     seen = []
     for c in page["changes"]:
@@ -854,11 +887,11 @@ def list_changes(svc: Service) -> dict:
 def search_notes(svc: Service) -> dict:
     started = time.perf_counter()
     query = Query(query_str("q"))
-    folder = visible_folder(svc, query_str("folder") or NOTES)  # a folder grant's by default
-    folder = "" if folder == NOTES else folder
+    folder = searched_folders(svc, query_str("folder"))  # the reach's by default
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
-    found = find_notes(svc, query, folder, limit, offset, query_str("mode"))
+    reach = request_principal().folders  # scored within it: nothing else moves a score
+    found = find_notes(svc, query, folder, limit, offset, query_str("mode"), reach)
     results = [
         {"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in found["results"]
     ]
@@ -872,7 +905,7 @@ def search_notes(svc: Service) -> dict:
         "fallback": found["fallback"],
     }
     if svc.embedder is not None:  # counted within the caller's reach (a grant: its folder)
-        answer["embeddings"] = svc.embedder.status(request_principal().folder)
+        answer["embeddings"] = svc.embedder.status(request_principal().folders)
     answer["tookMs"] = round((time.perf_counter() - started) * 1000, 3)
     return answer
 
@@ -882,7 +915,7 @@ def note_related(svc: Service, path: str) -> dict:
     if not svc.notes.exists(path):
         raise not_found(f"no note at {path}")
     limit = query_int("limit", 10, 1, 50)
-    near = related_notes(svc, path, request_principal().folder, limit)
+    near = related_notes(svc, path, request_principal().folders, limit)
     return {"path": path, "results": [{"path": p, "title": t, "score": s} for p, t, s in near]}
 
 
@@ -902,7 +935,7 @@ def agent_chat(svc: Service) -> dict:
     channel = field(body, "channel", required=False)
     if channel is not None and channel not in svc.channel_providers:
         raise bad_request(f"'channel' must be one of {', '.join(svc.channel_providers)}")
-    return ask_agent(svc, message, note, request_principal().folder)
+    return ask_agent(svc, message, note, request_principal().folders)
 
 
 def agent_status(svc: Service) -> dict:

@@ -49,6 +49,13 @@ def _callback(svc: Service, route: Route) -> Callable:
                     "FORBIDDEN",
                     f"this needs the {route.scope} scope; this key holds {principal.scope}",
                 )
+            if principal.person and route.scope == "admin" and not route.people:
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    "this is the owner's: a person manages their own devices, keys, "
+                    "connectors and feeds only",
+                )
             env["notesvc.principal"] = principal
         once = svc.idempotency.key(route, env) if route.idempotent else None
         with svc.idempotency.running(once):

@@ -10,7 +10,7 @@ import time
 
 from notesvc.boot import bottle, log
 from notesvc.errors import ApiError, bad_request, not_found
-from notesvc.grants import Principal, epoch_of, request_principal, visible_folder
+from notesvc.grants import OWNER, Principal, epoch_of, request_principal, visible_folders
 from notesvc.helpers import field, iso, key_hash, read_json
 from notesvc.http.access import opens_only_at_home, public_limit, share_url
 from notesvc.http.caldav import CAL_TYPE, cal_list_tasks
@@ -41,7 +41,10 @@ FEED_USE_SECONDS = 300  # lastUsedAt is written at most this often
 
 def feed_record(feed: dict) -> dict:
     keys = ("id", "name", "folder", "createdAt", "lastUsedAt", "hint")
-    return {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+    rec = {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+    if feed.get("person"):  # whose it is (the owner lists everyone's)
+        rec["person"] = feed["person"]
+    return rec
 
 
 def feed_url(svc: Service, environ: dict, secret: str) -> str:
@@ -56,7 +59,13 @@ def create_feed(svc: Service) -> dict:
     if not name:
         raise bad_request("'name' is empty")
     raw = field(body, "folder", required=False)
-    folder = visible_folder(svc, raw) if raw else request_principal().folder or None
+    who = request_principal()
+    folder = None
+    if raw:  # one folder of its reach (a folder above several of them: 404)
+        asked, shown = visible_folders(svc, raw)
+        if shown != (asked,):
+            raise not_found(f"no folder at {asked}")
+        folder = asked
     secret, now = secrets.token_urlsafe(24), time.time()
     feed = {
         "id": "fd_" + secrets.token_hex(6),
@@ -66,8 +75,10 @@ def create_feed(svc: Service) -> dict:
         "lastUsedAt": None,
         "hint": secret[-4:],
         "secretHash": key_hash(secret),
-        "createdBy": request_principal().grant_id or "owner",
+        "createdBy": who.grant_id or "owner",
     }
+    if who.person:  # a person's feed: listed to them, and it reads as much as they do
+        feed["person"] = who.person
 
     def change(data: dict) -> None:
         feeds = data.get("feeds", [])
@@ -82,12 +93,19 @@ def create_feed(svc: Service) -> dict:
     return {**feed_record(feed), "url": url, "homeOnly": opens_only_at_home(url)}
 
 
+def _feeds_seen(svc: Service) -> list:
+    """The feeds the request may list and delete: all for the owner, a person's own."""
+    person = request_principal().person
+    feeds = svc.state.read().get("feeds", [])
+    return [f for f in feeds if not person or f.get("person") == person]
+
+
 def list_feeds(svc: Service) -> dict:
-    return {"feeds": [feed_record(f) for f in svc.state.read().get("feeds", [])]}
+    return {"feeds": [feed_record(f) for f in _feeds_seen(svc)]}
 
 
 def delete_feed(svc: Service, feed_id: str) -> dict:
-    if not any(f["id"] == feed_id for f in svc.state.read().get("feeds", [])):
+    if not any(f["id"] == feed_id for f in _feeds_seen(svc)):
         raise not_found(f"no calendar feed {feed_id}")
 
     def change(data: dict) -> None:
@@ -135,7 +153,9 @@ def get_feed(svc: Service, name: str):
         svc.state.update(change)
     book = task_book(svc)
     book.refresh()
-    reader = Principal("key", "read", feed.get("folder") or "")
+    maker = svc.grants.principal_by_id(feed.get("createdBy"))  # (live: checked above)
+    reach = (maker or OWNER).reach.narrowed(feed.get("folder") or "", "read")
+    reader = Principal("key", "read", reach=reach)
     origin = svc.base_url(bottle.request.environ).rstrip("/")
     parts: list = []
     for task in cal_list_tasks(book, reader, None):

@@ -53,7 +53,7 @@ from notesvc.providers.channels import (
 )
 from notesvc.search.text import MAX_QUERY_CHARS
 from notesvc.service import Service, current_request_id
-from notesvc.transfer.export import export_files, export_zip
+from notesvc.transfer.export import ExportCut, export_files, export_zip
 from notesvc.transfer.formats import run_import
 from notesvc.transfer.plan import import_settled
 from notesvc.web import negotiated_page, web_client_headers
@@ -339,7 +339,7 @@ def get_plugin(svc: Service, name: str) -> dict:
     info = plugin_info(svc, plugin)
     page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
     who = request_principal()  # a grant sees a page its scope allows, a folder grant a built-in's
-    allowed = page and who.allows(page.scope) and (plugin.builtin or not who.folder)
+    allowed = page and who.allows(page.scope) and (plugin.builtin or who.whole)
     if allowed and info["enabled"]:
         info.update(page.handler(svc))
     return info
@@ -558,8 +558,17 @@ def get_export(svc: Service):
     resp.content_type = "application/zip"
     resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
     resp.set_header("Cache-Control", "no-store")
-    log.info("request %s: export of %s", current_request_id(), principal.folder or "every note")
-    return export_zip(svc.config.root, principal)
+    what = ", ".join(principal.folders) or "every note"
+    log.info("request %s: export of %s", current_request_id(), what)
+
+    def still(name: str) -> bool:  # a person removed, a share removed, while it streams
+        now = svc.grants.current(principal.grant_id) if principal.grant_id else principal
+        if now is None:
+            log.info("export ended: its key was revoked while it streamed")
+            raise ExportCut
+        return now.sees(name)
+
+    return export_zip(svc.config.root, principal, still=still)
 
 
 def too_large_for_relay(size: int, limit: int) -> ApiError:

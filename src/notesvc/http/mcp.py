@@ -288,7 +288,7 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
     offered = {t.name: t for t in available_tools(svc, svc.config.mcp_write)}
     if name not in offered:
         known = svc.tools.get(name)
-        if known is not None and request_principal().folder and TOOLS.get(name) is not known:
+        if known is not None and not request_principal().whole and TOOLS.get(name) is not known:
             why = f"{name} is a plugin's tool: a connection to one folder gets the built-in tools"
         elif known is not None and not known.read_only and not svc.config.mcp_write:
             why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"

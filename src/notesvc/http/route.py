@@ -39,6 +39,9 @@ class Route:
     jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
     # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
     idempotent: bool = False  # an Idempotency-Key header makes a repeat answer as the first
+    people: bool = False  # an admin route a person's admin device may call too, for what
+    # is their own (their devices, keys, connectors, feeds): every other admin route is the
+    # owner's (403 to a person)
     secret: bool = False  # its answer can carry a secret or a code (a key, a token, a
     # pairing's secret, a share or feed link, an authorisation code): never gzipped
     # (docs/api.md: Compression; a test derives it from the answers of every route)

@@ -100,6 +100,16 @@ from notesvc.http.integrations import (
     verify_webhook,
 )
 from notesvc.http.mcp import mcp_endpoint
+from notesvc.http.people import (
+    add_person,
+    create_person_pairing,
+    get_members,
+    list_people,
+    list_shared_with_me,
+    put_members,
+    remove_person,
+    rename_person,
+)
 from notesvc.http.route import Route
 from notesvc.notes.history import VERSION_ID_RE, json_pattern
 from notesvc.notes.paths import (
@@ -847,6 +857,7 @@ ROUTES = (
         status=201,
         tag="auth",
         scope="admin",
+        people=True,
         secret=True,
     ),
     Route(
@@ -857,6 +868,7 @@ ROUTES = (
         "URL; mcpVia relay, public, home or page) reach this server",
         tag="auth",
         scope="admin",
+        people=True,
     ),
     Route(
         "POST",
@@ -894,6 +906,7 @@ ROUTES = (
         status=201,
         tag="grants",
         scope="admin",
+        people=True,
         secret=True,
     ),
     Route(
@@ -903,6 +916,7 @@ ROUTES = (
         summary="Scoped keys and OAuth grants (no secrets)",
         tag="grants",
         scope="admin",
+        people=True,
     ),
     Route(
         "DELETE",
@@ -913,6 +927,7 @@ ROUTES = (
         params={"cascade": {"type": "boolean"}},
         tag="grants",
         scope="admin",
+        people=True,
     ),
     Route(
         "POST",
@@ -982,9 +997,18 @@ ROUTES = (
         status=201,
         tag="grants",
         scope="admin",
+        people=True,
         secret=True,
     ),
-    Route("GET", "/auth/feeds", list_feeds, summary="Calendar feeds", tag="grants", scope="admin"),
+    Route(
+        "GET",
+        "/auth/feeds",
+        list_feeds,
+        summary="Calendar feeds",
+        tag="grants",
+        scope="admin",
+        people=True,
+    ),
     Route(
         "DELETE",
         "/auth/feeds/<feed_id>",
@@ -992,6 +1016,7 @@ ROUTES = (
         summary="Delete a calendar feed: its URL stops working",
         tag="grants",
         scope="admin",
+        people=True,
     ),
     Route(
         "GET",
@@ -1026,7 +1051,7 @@ ROUTES = (
         "POST",
         "/oauth/approve",
         approve_oauth,
-        summary="The owner approves an OAuth request: the redirect with its code",
+        summary="The owner or a person approves an OAuth request: the redirect with its code",
         body=_obj(
             ["clientId", "redirectUri", "codeChallenge", "scope"],
             clientId={**_STR, "minLength": 1, "maxLength": 2000},
@@ -1039,7 +1064,102 @@ ROUTES = (
         ),
         tag="grants",
         scope="admin",
+        people=True,
         secret=True,  # the authorisation code, beside the client's own `state`
+    ),
+    Route(
+        "POST",
+        "/people",
+        add_person,
+        summary="Add a person (the owner): their home folder, and a pairing for their first "
+        "device, shown once",
+        body=_obj(
+            ["name"],
+            name={**_STR, "minLength": 1, "maxLength": 64, "pattern": NOT_BLANK_PATTERN},
+            home=_FOLDER_PATH,
+        ),
+        status=201,
+        tag="people",
+        scope="admin",
+        secret=True,
+    ),
+    Route(
+        "GET",
+        "/people",
+        list_people,
+        summary="The people of this server, with their devices",
+        tag="people",
+        scope="admin",
+    ),
+    Route(
+        "PATCH",
+        "/people/<person_id>",
+        rename_person,
+        summary="Rename a person (their home keeps its name)",
+        body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 64}),
+        tag="people",
+        scope="admin",
+    ),
+    Route(
+        "DELETE",
+        "/people/<person_id>",
+        remove_person,
+        summary="Remove a person: every device, key, connector, feed, share link, pairing "
+        "and chat link they hold ends at once; their notes stay",
+        tag="people",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/people/<person_id>/pairings",
+        create_person_pairing,
+        summary="A pairing for one more device of a person, in their reach; shown once",
+        body=_obj(
+            [],
+            name={**_STR, "maxLength": 100},
+            scope={"enum": list(SCOPES)},
+            folder=_FOLDER_PATH,
+        ),
+        status=201,
+        tag="people",
+        scope="admin",
+        secret=True,
+    ),
+    Route(
+        "GET",
+        "/folders/<path:path>/members",
+        get_members,
+        summary="Who a folder is shared with: its own members, then those of the folders "
+        "above it (inherited)",
+        params={"path": FOLDER_PATH_PARAM},
+        tag="people",
+        scope="read",
+    ),
+    Route(
+        "PUT",
+        "/folders/<path:path>/members",
+        put_members,
+        summary="Share a folder: replace its members (the owner any folder, a person one of "
+        "their home)",
+        params={"path": FOLDER_PATH_PARAM},
+        body=_obj(
+            ["members"],
+            members={
+                "type": "array",
+                "maxItems": 50,
+                "items": _obj(["person"], person=_STR, scope={"enum": ["read", "write"]}),
+            },
+        ),
+        tag="people",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/shared",
+        list_shared_with_me,
+        summary="The folders shared with the person asking, with who shared them",
+        tag="people",
+        scope="read",
     ),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),

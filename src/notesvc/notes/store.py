@@ -334,6 +334,12 @@ class NoteStore(FileTree):
         # who makes the change in progress, as its versions name it (savedBy): the Service
         # sets it to the request's grant's name; None: the owner, the server itself
         self.actor: Callable[[], str | None] = lambda: None
+        # guard(path): a context around one change of path, entered under the note's lock
+        # before anything changes: it raises when the request under way may no longer
+        # change path (its key revoked, its person's share removed since its key was
+        # checked), and a revocation waits for the changes inside it (the Service sets it:
+        # Service.writing; nothing by default)
+        self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -563,11 +569,25 @@ class NoteStore(FileTree):
     def list_page(
         self, folder: str, limit: int, offset: int, sort: str = "path", fields: Iterable = ()
     ) -> dict:
-        """Return a page of note records (no content): by path, or newest first (`sort`
-        "modified"); `fields` may add each note's `preview` and `tags`."""
-        if folder != NOTES and not os.path.isdir(self.file_of(folder)):
-            raise not_found(f"no folder at {folder}")
-        paths = self.by_modified(folder) if sort == "modified" else self.walk(folder)
+        """Return a page of note records (no content) of a folder, or of several (the
+        folders a grant reaches beneath the one asked: those not there yet hold nothing):
+        by path, or newest first (`sort` "modified"); `fields` may add each note's `preview`
+        and `tags`."""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        if len(folders) == 1:
+            folder = folders[0]
+            if folder != NOTES and not os.path.isdir(self.file_of(folder)):
+                raise not_found(f"no folder at {folder}")
+            paths = self.by_modified(folder) if sort == "modified" else self.walk(folder)
+        else:
+            found = []
+            for f in folders:
+                if not os.path.isdir(self.file_of(f)):
+                    continue  # a folder a grant reaches that is not there yet
+                for path, e in self._entries(f):
+                    with contextlib.suppress(OSError):  # removed meanwhile
+                        found.append((-e.stat().st_mtime_ns if sort == "modified" else 0, path))
+            paths = [path for _, path in sorted(found)]
         page = []
         for path in paths[offset : offset + limit]:
             try:
@@ -808,6 +828,7 @@ class NoteStore(FileTree):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
             was = _moved_from(path, new)
             with (
+                self.guard(new),  # (and the path it leaves, in _changing)
                 self._changing(path, data, "moved", new=was),
                 self._new_parents(dst),
                 disk_writes(),
@@ -883,26 +904,27 @@ class NoteStore(FileTree):
         HistoryStore.keep) when the change replaces the note's file by a rename: then it
         gives what atomic_write must run before that rename. `new`: the content written
         (the version's summary counts the lines it changed), or a summary in words."""
-        journal, history = self.journal, self.history
-        if journal is not None:
-            journal.reserve()
-        try:
-            keep = history is not None and old is not None
-            vid = history.keep(path, old, reason, inode) if keep else None
-        except BaseException:
+        with self.guard(path):
+            journal, history = self.journal, self.history
             if journal is not None:
-                journal.release()
-            raise
-        try:
-            yield (lambda: history.durable(path)) if vid and inode else None
-        except BaseException:
+                journal.reserve()
+            try:
+                keep = history is not None and old is not None
+                vid = history.keep(path, old, reason, inode) if keep else None
+            except BaseException:
+                if journal is not None:
+                    journal.release()
+                raise
+            try:
+                yield (lambda: history.durable(path)) if vid and inode else None
+            except BaseException:
+                if vid:
+                    history.discard(path, vid)
+                if journal is not None:
+                    journal.release()
+                raise
             if vid:
-                history.discard(path, vid)
-            if journal is not None:
-                journal.release()
-            raise
-        if vid:
-            history.settle(path, vid, self._version_meta(old, new))
+                history.settle(path, vid, self._version_meta(old, new))
 
     def _version_meta(self, old: bytes | None, new: bytes | str | None) -> dict:
         """Return {savedBy, summary} of the change a version is kept for."""
@@ -1168,6 +1190,7 @@ class AttachmentStore(FileTree):
         self.trash = trash
         self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
+        self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()  # NoteStore's
 
     def make_root(self) -> None:
         """Create the attachments folder when it is missing: private (0700, as the notes
@@ -1235,10 +1258,17 @@ class AttachmentStore(FileTree):
                 count += 1
         return count, size
 
-    def list_page(self, folder: str, limit: int, offset: int) -> dict:
-        if folder != ATTACHMENTS and not os.path.isdir(self.file_of(folder)):
-            raise not_found(f"no folder at {folder}")
-        found = sorted(self._entries(folder), key=lambda item: item[0])
+    def list_page(self, folder: str | tuple, limit: int, offset: int) -> dict:
+        """Return a page of the files of a folder, or of several (those not there yet hold
+        nothing), by path."""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        lone = folders[0] if len(folders) == 1 else ATTACHMENTS
+        if lone != ATTACHMENTS and not os.path.isdir(self.file_of(lone)):
+            raise not_found(f"no folder at {lone}")
+        found = sorted(
+            (item for f in folders if os.path.isdir(self.file_of(f)) for item in self._entries(f)),
+            key=lambda item: item[0],
+        )
         page = []
         for path, e in found[offset : offset + limit]:
             try:
@@ -1300,7 +1330,7 @@ class AttachmentStore(FileTree):
                 if unique:
                     path, target = self._free(path, target)
                 exists = self.check(path, if_match, if_none_match)
-                with self._new_parents(target, path):
+                with self.guard(path), self._new_parents(target, path):
                     os.chmod(tmp, 0o666 & ~UMASK)
                     self._rename(tmp, target)
                 fsync_dir(target.parent)
@@ -1353,7 +1383,7 @@ class AttachmentStore(FileTree):
             dst = self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"an attachment already exists at {new}")
-            with self._new_parents(dst, new), disk_writes():
+            with self.guard(path), self.guard(new), self._new_parents(dst, new), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
@@ -1365,7 +1395,7 @@ class AttachmentStore(FileTree):
         with self._lock:
             src = self.file_of(path)
             check_etag(if_match, self.get(path)["etag"], "attachment")
-            trashed = move_to_trash(src, self.trash, path)
+            trashed = move_to_trash(src, self.trash, path, self.guard(path))
             self._prune(src.parent)
         return {"path": path, "deleted": True, **trashed}
 
@@ -1392,7 +1422,7 @@ class AttachmentStore(FileTree):
             dst = self.file_of(path)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"an attachment already exists at {path}")
-            with self._new_parents(dst, path), disk_writes():
+            with self.guard(path), self._new_parents(dst, path), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             return self.record(path, os.stat(dst))

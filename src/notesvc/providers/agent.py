@@ -279,7 +279,9 @@ def answer_nothing(svc: Service, question: str, found: list) -> tuple:
     raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
 
 
-def ask_agent(svc: Service, question: str, note: str | None = None, folder: str = "") -> dict:
+def ask_agent(
+    svc: Service, question: str, note: str | None = None, folder: str | tuple = ""
+) -> dict:
     """Return the agent's {reply, provider, model, sources} for a question (its sources
     inside `folder` only, when a folder grant asks)."""
     provider = svc.agent_providers[svc.config.agent_provider]
@@ -298,5 +300,10 @@ def ask_agent(svc: Service, question: str, note: str | None = None, folder: str 
         paths = [p for p in dict.fromkeys(answer[2]) if p in titles or svc.notes.exists(p)]
     else:
         paths = list(titles)
+    if folder:  # a reach: whatever a provider names, no note outside it is a source
+        within = tuple(
+            f.rstrip("/") + "/" for f in ((folder,) if isinstance(folder, str) else folder)
+        )
+        paths = [p for p in paths if isinstance(p, str) and p.startswith(within)]
     sources = [{"path": p, "title": titles.get(p) or svc.index.title_of(p) or p} for p in paths]
     return {"reply": reply, "provider": provider.name, "model": model, "sources": sources}

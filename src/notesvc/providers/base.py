@@ -328,7 +328,7 @@ def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1].rsplit(" ", 1)[0] + "…"
 
 
-def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> list:
+def _hits_in_folder(svc: Service, question: str, folder: str | tuple, limit: int) -> list:
     """Return the top (path, title, text, score) inside a folder (a folder grant's sources):
     the question's words as one OR query of the index, restricted to the folder."""
     words = list(dict.fromkeys(w for w in WORD_RE.findall(fold(question)) if w not in STOPWORDS))
@@ -338,7 +338,7 @@ def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> lis
             break
         text = f"{text} OR {word}" if text else word
     try:
-        _, ranked = svc.index.search(Query(text), folder, limit)
+        _, ranked = svc.index.search(Query(text), folder, limit, reach=folder)
     except ApiError:  # no searchable word in the question
         return []
     hits = []
@@ -349,7 +349,7 @@ def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> lis
 
 
 def retrieve(
-    svc: Service, question: str, note: str | None, limit: int = 3, folder: str = ""
+    svc: Service, question: str, note: str | None, limit: int = 3, folder: str | tuple = ""
 ) -> list:
     """Return [(path, title, [passages])]: the best hits, best first (inside `folder` only,
     when a folder grant asks).
@@ -484,7 +484,7 @@ def available_tools(svc: Service, writes: bool) -> list:
         for t in svc.tools.values()
         if (writes or t.read_only)
         and (not t.plugin or svc.plugin_enabled(t.plugin))
-        and (not who.folder or TOOLS.get(t.name) is t)
+        and (who.whole or TOOLS.get(t.name) is t)
     ]
 
 

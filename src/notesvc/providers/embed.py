@@ -377,14 +377,16 @@ class Embedder:
 
     # -- what searches ask ---------------------------------------------------------------
 
-    def status(self, folder: str = "") -> dict:
+    def status(self, folder: str | tuple = "") -> dict:
         """Return {embedded, total, model}: notes whose chunks are all embedded, of all the
-        notes beneath `folder` ("" every note): a folder grant's count is its folder's.
-        Both counts are kept as notes change: a look-up each, no walk of the notes."""
+        notes beneath `folder` (or the folders of a reach; "" or () every note): a grant's
+        count is its reach's. Both counts are kept as notes change: look-ups, no walk."""
         store = self.store
         index = self.svc.index
-        if folder:
-            total = index.folder_counts().get(folder.rstrip("/"), 0)
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        if any(folders):
+            counts = index.folder_counts()
+            total = sum(counts.get(f.rstrip("/"), 0) for f in folders if f)
         else:
             total = index.stats().get("documents", 0)
         embedded = min(total, store.count_under(folder)) if store is not None else 0
@@ -472,7 +474,7 @@ class Embedder:
             self._failed(e)
             return None
 
-    def fuse_hits(self, question: str, folder: str, hits: list, limit: int) -> list:
+    def fuse_hits(self, question: str, folder: str | tuple, hits: list, limit: int) -> list:
         """Return the agent's sources: keyword hits [(path, title, text, score)] fused with
         the notes nearest the question in meaning (the keyword hits alone when the
         endpoint fails)."""
@@ -491,7 +493,7 @@ class Embedder:
                 out.append((path, doc[1], doc[2], score))
         return out
 
-    def nearest(self, vector: list, folder: str, limit: int = MAX_SEMANTIC_NOTES) -> list:
+    def nearest(self, vector: list, folder: str | tuple, limit: int = MAX_SEMANTIC_NOTES) -> list:
         """Return [(path, cosine, chunk)] of the notes nearest a vector that clear the floor:
         a query about nothing in the notes finds nothing by meaning."""
         store = self.store

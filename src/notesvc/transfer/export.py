@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from notesvc.boot import __version__
-from notesvc.grants import OWNER, Principal
+from notesvc.grants import OWNER, Principal, attachments_twin
 from notesvc.helpers import BODY_CHUNK, iso, utcnow
 from notesvc.notes.paths import ATTACHMENTS, NOTES
 from notesvc.transfer.plan import EXPORT_MANIFEST
@@ -31,11 +31,8 @@ STORED_TYPES = frozenset(  # already compressed: stored as they are
 def export_files(root: Path, principal: Principal = OWNER) -> Iterable:
     """Yield (name in the zip, file, stat) of every note, attachment and other file the
     grant sees (hidden files, temp files and symbolic links left out), in path order."""
-    tops = (
-        [principal.folder, principal.attachments_folder]
-        if principal.folder
-        else [NOTES, ATTACHMENTS]
-    )
+    folders = principal.folders  # a grant's reach, in path order: notes, then attachments
+    tops = [*folders, *(attachments_twin(f) for f in folders)] if folders else [NOTES, ATTACHMENTS]
     for top in tops:
         base = root / top
         for folder, dirs, files in os.walk(base):
@@ -84,15 +81,37 @@ class _ZipOut(io.RawIOBase):
         return data
 
 
-def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | None = None):
+class ExportCut(Exception):
+    """The key an export streams for was revoked (or its person removed) meanwhile."""
+
+
+def export_zip(
+    root: Path,
+    principal: Principal = OWNER,
+    progress: Callable | None = None,
+    still: Callable | None = None,
+):
     """Yield a zip of what export_files() lists, with each file's modification time and a
-    notesvc-export.json manifest, in chunks (nothing is held whole)."""
+    notesvc-export.json manifest, in chunks (nothing is held whole).
+
+    `still(name)`, asked before each file: whether the principal still sees it (a share
+    removed meanwhile: the file is left out); ExportCut from it (the key revoked) ends the
+    stream where it is, without the zip's directory, so the client holds no zip at all."""
     import zipfile
 
     out = _ZipOut()
+    try:
+        yield from _zip_chunks(zipfile, out, root, principal, progress, still)
+    except ExportCut:
+        return
+
+
+def _zip_chunks(zipfile, out, root, principal, progress, still):
     counts = {"notes": 0, "files": 0, "bytes": 0}
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
         for name, full, st in export_files(root, principal):
+            if still is not None and not still(name):
+                continue
             when = time.localtime(max(st.st_mtime, 315532800.0))[:6]  # zip's dates start 1980
             info = zipfile.ZipInfo(name, date_time=when)
             ext = name.rpartition(".")[2].lower()
@@ -120,6 +139,7 @@ def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | No
             "notesvc": __version__,
             "exportedAt": iso(utcnow()),
             "folder": principal.folder or None,
+            "folders": list(principal.folders) or None,
             **counts,
         }
         zf.writestr(EXPORT_MANIFEST, json.dumps(manifest, indent=2) + "\n")

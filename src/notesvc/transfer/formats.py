@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from notesvc.errors import ApiError, not_found
-from notesvc.grants import OWNER, Principal, no_link_below
+from notesvc.grants import OWNER, Principal, inside, no_link_below
 from notesvc.helpers import BODY_CHUNK, iso
 from notesvc.notes.merge import title_filename
 from notesvc.notes.paths import (
@@ -159,9 +159,9 @@ def _own_export_place(plan: ImportPlan, name: str, ext: str) -> tuple | None:
     except ApiError as e:
         plan.skip(name, e.message)
         return None
-    folder = getattr(plan, "grant_folder", "")
-    if folder and not Principal("key", "write", folder).sees(want):
-        plan.skip(name, "outside the folder this key may write")
+    grant = getattr(plan, "grant", None)
+    if grant is not None and not grant.whole and not grant.may_write(want):
+        plan.skip(name, "outside the folders this key may write")
         return None
     return ext == "md", want
 
@@ -1267,15 +1267,19 @@ IMPORT_PLANNERS = {
 
 def import_into(svc: Any, raw: Any, kind: str, principal: Principal) -> str:
     """Return the folder an import goes to: `into`, or notes/imported/<kind> (a folder
-    grant's: <its folder>/imported/<kind>); a folder outside a grant's own is 404."""
+    grant's: <its folder>/imported/<kind>; a person's: <home>/imported/<kind>); a folder
+    outside the principal's reach is 404, one it may only read 403."""
     if raw in (None, ""):
-        return f"{principal.folder or NOTES}/imported/{kind}"
+        return f"{principal.home or NOTES}/imported/{kind}"
     folder = folder_path(raw if str(raw).startswith(NOTES) else f"{NOTES}/{str(raw).strip('/')}")
-    own = principal.folder
-    if own and folder != own and not folder.startswith(own + "/"):
-        raise not_found(f"no folder at {folder} (this key writes in {own} only)")
-    if own:
-        no_link_below(svc.notes.on_disk, own, folder, "folder")
+    if principal.whole:
+        return folder
+    holder = next((f for f in principal.folders if inside(folder, f)), None)
+    if holder is None:
+        raise not_found(f"no folder at {folder} (this key writes in its own folders only)")
+    no_link_below(svc.notes.on_disk, holder, folder, "folder")
+    if not principal.may_write(folder):
+        raise ApiError(403, "FORBIDDEN", f"importing into {folder} needs the write scope there")
     return folder
 
 
@@ -1346,7 +1350,7 @@ def import_source(
         return _import_enex(svc, files, into, dry_run, principal, progress)
     where = NOTES if kind == "notesvc" else import_into(svc, into, kind, principal)
     plan = ImportPlan(svc, where, dry_run, progress)
-    plan.grant_folder = principal.folder
+    plan.grant = principal
     IMPORT_PLANNERS[kind](plan, source)
     return plan.report(kind)
 

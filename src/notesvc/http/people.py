@@ -1,0 +1,114 @@
+"""Handlers for people and shared folders: a household on one server (docs/api.md: People)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from notesvc.boot import bottle
+from notesvc.errors import ApiError, bad_request, not_found
+from notesvc.grants import clean_name, made_by, request_principal, visible_folders
+from notesvc.helpers import field, read_json
+from notesvc.http.access import new_pairing
+from notesvc.notes.paths import NOTES, folder_path
+from notesvc.people import PeopleStore
+
+if TYPE_CHECKING:  # annotations only: these modules come later
+    from notesvc.service import Service
+
+
+def _person(svc: Service, person_id: str) -> dict:
+    person = svc.people.get(person_id)
+    if person is None:
+        raise not_found(f"no person {person_id[:40]}")
+    return person
+
+
+def add_person(svc: Service) -> dict:
+    """POST /people (the owner): a person, their home, and a pairing for their first
+    device (admin for their own things, ten minutes, once)."""
+    body = read_json(svc.config.max_body_bytes)
+    who = request_principal()
+    person = svc.people.add(body.get("name"), body.get("home"), created_by=made_by(who))
+    env = bottle.request.environ
+    name = clean_name(f"{person['name']}'s first device", "device")
+    pairing = new_pairing(
+        svc.config, svc.grants, name, "admin", None, env, made_by(who), person["id"]
+    )
+    bottle.response.status = 201
+    return {"person": PeopleStore.public(person), "pairing": pairing}
+
+
+def list_people(svc: Service) -> dict:
+    return {"people": svc.people.listed()}
+
+
+def rename_person(svc: Service, person_id: str) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    if "name" not in body:
+        raise bad_request("'name' is required")
+    return {"person": PeopleStore.public(svc.people.rename(person_id, body["name"]))}
+
+
+def remove_person(svc: Service, person_id: str) -> dict:
+    """DELETE /people/:id: everything the person holds ends at once; their notes stay."""
+    gone = svc.people.remove(person_id)
+    return {"id": person_id, "removed": True, "revoked": gone}
+
+
+def create_person_pairing(svc: Service, person_id: str) -> dict:
+    """POST /people/:id/pairings (the owner): a pairing for one more device of a person,
+    in their reach (a folder of it, when asked)."""
+    person = _person(svc, person_id)
+    body = read_json(svc.config.max_body_bytes, required=False)
+    name = clean_name(field(body, "name", required=False, max_len=100), "device")
+    scope = field(body, "scope", required=False) or "write"
+    raw = field(body, "folder", required=False)
+    folder = folder_path(raw) if raw is not None else NOTES
+    if folder != NOTES and not svc.grants.person_sees(person_id, folder):
+        raise not_found(f"no folder at {folder} in {person['name']}'s reach")
+    env, who = bottle.request.environ, request_principal()
+    folder_or_none = None if folder == NOTES else folder
+    answer = new_pairing(
+        svc.config, svc.grants, name, scope, folder_or_none, env, made_by(who), person_id
+    )
+    bottle.response.status = 201
+    return answer
+
+
+def _shared_folder(svc: Service, raw: str) -> str:
+    """Return a folder whose members the request may see: inside its reach (404 beyond)."""
+    folder, shown = visible_folders(svc, raw)
+    if shown != (folder,) or folder == NOTES:
+        raise (
+            not_found(f"no folder at {folder}")
+            if folder != NOTES
+            else bad_request(f"{NOTES} itself is not shared: share a folder in it")
+        )
+    return folder
+
+
+def get_members(svc: Service, path: str) -> dict:
+    folder = _shared_folder(svc, path)
+    if not svc.notes.on_disk(folder).is_dir():  # (moved away, or never made)
+        raise not_found(f"no folder at {folder}")
+    return {"path": folder, "members": svc.people.members(folder)}
+
+
+def put_members(svc: Service, path: str) -> dict:
+    """PUT /folders/:path/members {members: [{person, scope}]}: replaces the folder's own
+    members (write on the folder; a person's, inside their home)."""
+    folder = _shared_folder(svc, path)
+    who = request_principal()
+    if not who.whole and not who.may_write(folder):
+        raise ApiError(403, "FORBIDDEN", f"sharing {folder} needs the write scope there")
+    body = read_json(svc.config.max_body_bytes)
+    if "members" not in body:
+        raise bad_request("'members' is required: a list of {person, scope}")
+    svc.people.set_members(folder, body["members"], who)
+    return {"path": folder, "members": svc.people.members(folder)}
+
+
+def list_shared_with_me(svc: Service) -> dict:
+    """GET /shared: the folders shared with the person asking (none for the owner)."""
+    person = request_principal().person
+    return {"folders": svc.people.shared_with(person) if person else []}

@@ -1,0 +1,203 @@
+"""People on one server: homes, shared folders, reach (src/notesvc/people.py, grants.py)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import (
+    API,
+    KEY,
+    assert_error,
+    data,
+    note_url,
+    put_note,
+    search,
+    with_key,
+)
+
+
+def add_person(client, name: str, status: int = 201, **body) -> dict:
+    resp = client.post_json(f"{API}/people", {"name": name, **body}, status=status)
+    return data(resp) if status == 201 else resp
+
+
+def device_of(client, anon, name: str, **body) -> tuple:
+    """Add a person and claim their first pairing: (person, a client with their key)."""
+    made = add_person(client, name, **body)
+    claim = {"secret": made["pairing"]["secret"], "deviceName": f"{name}'s phone"}
+    key = data(anon.post_json(f"{API}/auth/devices/claim", claim, status=201))["key"]
+    return made["person"], with_key(anon, key)
+
+
+def paths(answer: dict) -> list:
+    return [n["path"] for n in answer["notes"]]
+
+
+class TestPeople:
+    def test_adding_a_person_makes_their_home_and_a_pairing_for_their_first_device(
+        self, client, root
+    ):
+        made = add_person(client, "Ann")
+        person, pairing = made["person"], made["pairing"]
+        assert person["id"].startswith("p_")
+        assert len(person["id"]) == 12
+        assert person["home"] == "notes/Ann"
+        assert (root / "notes" / "Ann").is_dir()
+        assert pairing["scope"] == "admin"
+        assert pairing["person"] == person["id"]
+        assert pairing["secret"]
+        assert pairing["url"].endswith("#pair=" + pairing["secret"])
+        listed = data(client.get(f"{API}/people"))["people"]
+        assert [(p["name"], p["devices"]) for p in listed] == [("Ann", 0)]
+
+    @pytest.mark.parametrize(
+        ("name", "code"),
+        [
+            ("", "VALIDATION_ERROR"),
+            ("   ", "VALIDATION_ERROR"),
+            ("a/b", "VALIDATION_ERROR"),
+            ("..", "VALIDATION_ERROR"),
+            (".notesvc", "VALIDATION_ERROR"),
+            ("evil\u202eman", "VALIDATION_ERROR"),
+            ("tab\there", "VALIDATION_ERROR"),
+            ("x" * 65, "VALIDATION_ERROR"),
+            (42, "VALIDATION_ERROR"),
+        ],
+    )
+    def test_a_name_that_cannot_name_a_folder_is_refused(self, client, name, code):
+        assert_error(add_person(client, name, status=400), 400, code)
+        assert data(client.get(f"{API}/people"))["people"] == []
+
+    def test_names_are_unique_case_blind_after_nfc_and_a_taken_folder_needs_a_home(self, client):
+        add_person(client, "Ren\u00e9")
+        assert_error(add_person(client, "rene\u0301", status=409), 409, "CONFLICT")
+        put_note(client, "notes/Bob/old.md", "the owner's")
+        assert_error(add_person(client, "Bob", status=409), 409, "CONFLICT")
+        assert add_person(client, "Bob", home="notes/people/bob")["person"]["home"] == (
+            "notes/people/bob"
+        )
+        assert_error(add_person(client, "Eve", home="notes/people", status=409), 409, "CONFLICT")
+
+    def test_at_most_fifty_people(self, client):
+        for i in range(50):
+            add_person(client, f"p{i}")
+        assert_error(add_person(client, "one more", status=409), 409, "CONFLICT")
+
+    def test_a_person_is_renamed_and_their_home_keeps_its_name(self, client):
+        pid = add_person(client, "Ann")["person"]["id"]
+        renamed = data(client.patch_json(f"{API}/people/{pid}", {"name": "Annie"}))["person"]
+        assert (renamed["name"], renamed["home"]) == ("Annie", "notes/Ann")
+        client.patch_json(f"{API}/people/p_nobodyhere", {"name": "x"}, status=404)
+
+
+class TestReach:
+    def test_a_person_sees_their_home_only_until_something_is_shared(self, client, anon):
+        put_note(client, "notes/owner/secret.md", "the owner's diary")
+        _ann, as_ann = device_of(client, anon, "Ann")
+        put_note(as_ann, "notes/Ann/list.md", "milk")
+        assert paths(data(as_ann.get(f"{API}/notes"))) == ["notes/Ann/list.md"]
+        as_ann.get(note_url("notes/owner/secret.md"), status=404)
+        assert search(as_ann, "diary")["total"] == 0
+        assert search(client, "diary")["total"] == 1  # the owner sees everything
+        as_ann.post_json(f"{API}/notes", {"path": "notes/owner/x.md", "content": "x"}, status=404)
+
+    def test_a_note_without_a_path_goes_to_their_inbox(self, client, anon):
+        _, as_ann = device_of(client, anon, "Ann")
+        made = data(as_ann.post_json(f"{API}/notes", {"content": "# Call mum\n"}, status=201))
+        assert made["path"] == "notes/Ann/inbox/Call mum.md"
+
+    def test_a_shared_folder_joins_the_reach_at_its_scope(self, client, anon):
+        put_note(client, "notes/Family/shopping.md", "bread")
+        put_note(client, "notes/Family/plans.md", "holiday")
+        ann, as_ann = device_of(client, anon, "Ann")
+        body = {"members": [{"person": ann["id"], "scope": "read"}]}
+        shared = data(client.put_json(f"{API}/folders/notes%2FFamily/members", body))
+        assert [(m["name"], m["scope"]) for m in shared["members"]] == [("Ann", "read")]
+        assert paths(data(as_ann.get(f"{API}/notes"))) == [
+            "notes/Family/plans.md",
+            "notes/Family/shopping.md",
+        ]
+        assert search(as_ann, "bread")["total"] == 1
+        resp = as_ann.put_json(note_url("notes/Family/shopping.md"), {"content": "x"}, status=403)
+        assert "read" in assert_error(resp, 403, "FORBIDDEN")["message"]
+        mine = data(as_ann.get(f"{API}/shared"))["folders"]
+        assert mine == [
+            {"path": "notes/Family", "scope": "read", "sharedBy": {"id": "owner", "name": "Owner"}}
+        ]
+        body["members"][0]["scope"] = "write"
+        client.put_json(f"{API}/folders/notes%2FFamily/members", body)
+        as_ann.put_json(note_url("notes/Family/shopping.md"), {"content": "bread, eggs"})
+        client.put_json(f"{API}/folders/notes%2FFamily/members", {"members": []})
+        as_ann.get(note_url("notes/Family/shopping.md"), status=404)  # cut at once
+
+    def test_a_person_shares_folders_of_their_home_only(self, client, anon):
+        ann, as_ann = device_of(client, anon, "Ann")
+        bob, as_bob = device_of(client, anon, "Bob")
+        put_note(as_ann, "notes/Ann/Trips/rome.md", "colosseum")
+        put_note(client, "notes/Family/x.md", "x")
+        body = {"members": [{"person": bob["id"], "scope": "write"}]}
+        as_ann.put_json(f"{API}/folders/notes%2FAnn%2FTrips/members", body)
+        assert search(as_bob, "colosseum")["total"] == 1
+        as_ann.put_json(f"{API}/folders/notes%2FFamily/members", body, status=404)
+        resp = as_ann.put_json(
+            f"{API}/folders/notes%2FAnn%2FTrips/members",
+            {"members": [{"person": ann["id"], "scope": "read"}]},
+            status=400,
+        )
+        assert_error(resp, 400, "VALIDATION_ERROR")
+        resp = as_ann.put_json(
+            f"{API}/folders/notes%2FAnn%2FTrips/members",
+            {"members": [{"person": "p_nobodyhere", "scope": "read"}]},
+            status=400,
+        )
+        assert_error(resp, 400, "VALIDATION_ERROR")
+        shared = data(as_bob.get(f"{API}/shared"))["folders"]
+        assert shared[0]["sharedBy"] == {"id": ann["id"], "name": "Ann"}
+
+    def test_a_persons_admin_is_their_own_things_only(self, client, anon):
+        _, as_ann = device_of(client, anon, "Ann")
+        as_ann.get(f"{API}/people", status=403)
+        as_ann.post_json(f"{API}/people", {"name": "Eve"}, status=403)
+        as_ann.get(f"{API}/security/audit", status=403)
+        as_ann.post(f"{API}/auth/rotate", status=403)
+        key = data(
+            as_ann.post_json(f"{API}/auth/keys", {"name": "laptop", "scope": "read"}, status=201)
+        )
+        assert key["person"]
+        owner_key = data(client.post_json(f"{API}/auth/keys", {"name": "o", "scope": "read"}))
+        mine = [k["name"] for k in data(as_ann.get(f"{API}/auth/keys"))["keys"]]
+        assert "o" not in mine
+        assert "laptop" in mine
+        as_ann.delete(f"{API}/auth/keys/{owner_key['id']}", status=404)
+        as_ann.post_json(
+            f"{API}/auth/keys", {"name": "k", "scope": "read", "folder": "notes/x"}, status=404
+        )
+
+    def test_removing_a_person_ends_their_keys_at_once_in_every_thread(self, client, anon):
+        ann, as_ann = device_of(client, anon, "Ann")
+        put_note(as_ann, "notes/Ann/a.md", "mine")
+        laptop = data(as_ann.post_json(f"{API}/auth/keys", {"name": "l", "scope": "read"}))
+        answers = []
+
+        def read_forever():
+            for _ in range(200):
+                answers.append(
+                    anon.get(
+                        note_url("notes/Ann/a.md"), headers={KEY: laptop["key"]}, status="*"
+                    ).status_int
+                )
+
+        reader = threading.Thread(target=read_forever)
+        reader.start()
+        gone = data(client.delete(f"{API}/people/{ann['id']}"))
+        reader.join()
+        assert gone["removed"] is True
+        assert laptop["id"] in gone["revoked"]
+        as_ann.get(f"{API}/notes", status=401)
+        anon.get(f"{API}/notes", headers={KEY: laptop["key"]}, status=401)
+        assert answers[-1] == 401
+        assert set(answers) <= {200, 401}
+        assert answers == sorted(answers)  # never 200 again once 401
+        assert data(client.get(note_url("notes/Ann/a.md")))["content"] == "mine"  # notes stay
