@@ -52,7 +52,11 @@ class ThreadDns:
         self.loop.call_soon_threadsafe(self.records.clear, SID)
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        async def shut() -> None:
+            self.server.close()
+            await asyncio.sleep(0.05)  # a transport's socket closes on a later turn
+
+        asyncio.run_coroutine_threadsafe(shut(), self.loop).result(5)
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(5)
         self.loop.close()
