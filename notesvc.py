@@ -2418,6 +2418,17 @@ def _segment(tail: int, in_url: bool = False) -> str:
     )
 
 
+# One folder name (a person's name is their home's): not blank, not hidden, at most 64
+# characters and 255 UTF-8 bytes, none of what no segment holds.
+FOLDER_NAME_SCHEMA = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 64,
+    "pattern": f"^(?:{_ASCII_FIRST.replace('[ ', '[', 1)}{_ASCII_CH}{{0,63}}"
+    f"|[^.{BLANK_CLASS}{_SEG_NOT}]{_ANY_CH}{{0,62}})$",
+}
+
+
 NOTE_PATH_SCHEMA = {
     "type": "string",
     "minLength": 9,
@@ -13951,7 +13962,8 @@ class PeopleStore:
         it (`inherited: true`), each with the person's name and who shared."""
         data = self.state.read()
         out = []
-        for at, entries in sorted(data.get("members", {}).items()):
+        shares = data.get("members", {}).items()
+        for at, entries in sorted(shares, key=lambda s: (s[0] != folder, s[0])):  # own first
             if not inside(folder, at):
                 continue
             for m in entries:
@@ -13979,7 +13991,7 @@ class PeopleStore:
 
         The owner shares any folder; a person a folder inside their home (403 elsewhere).
         Each member is a person other than the one sharing and other than the folder's own
-        person (whose home holds it): 400 for an unknown id, oneself, a repeat or a bad
+        person (whose home holds it): 404 for an unknown id; 400 for oneself, a repeat or a bad
         scope. Members of the folders above are kept (a deeper share adds, never takes)."""
         if not isinstance(raw, list) or len(raw) > MAX_PEOPLE:
             raise bad_request(f"'members' must be a list of at most {MAX_PEOPLE} people")
@@ -13995,8 +14007,10 @@ class PeopleStore:
             if not isinstance(item, dict):
                 raise bad_request("each member is an object {person, scope}")
             pid, scope = item.get("person"), item.get("scope", "read")
-            if not isinstance(pid, str) or self.get(pid, data) is None:
-                raise bad_request(f"no person {str(pid)[:40]!r} to share with")
+            if not isinstance(pid, str):
+                raise bad_request("a member's 'person' is a person's id")
+            if self.get(pid, data) is None:
+                raise not_found(f"no person {pid[:40]!r} to share with")
             if scope not in SHARE_SCOPES:
                 raise bad_request(f"a member's scope is one of {', '.join(SHARE_SCOPES)}")
             if pid == sharer or (owner_home is not None and pid == owner_home["id"]):
@@ -25462,6 +25476,137 @@ dialog ol {
   margin-top: 0.5rem;
   min-height: 44px;
 }
+/* -- people: who is signed in, homes and shared folders in the tree, Share…, People -- */
+#who strong {
+  font-size: 1rem;
+}
+#tree .shareable {
+  position: relative;
+}
+#tree .shareable > .dir {
+  padding-right: 2.75rem;
+}
+#tree .share {
+  position: absolute;
+  top: 0;
+  right: 0;
+  width: auto;
+  color: var(--muted);
+}
+@media (hover: hover) and (pointer: fine) {
+  #tree .share {
+    opacity: 0;
+  }
+  #tree .dir:hover ~ .share,
+  #tree .share:hover,
+  #tree .share:focus-visible {
+    opacity: 1;
+  }
+}
+#tree .share.on {
+  opacity: 1;
+  color: var(--accent);
+}
+#tree .by,
+#note-shared {
+  display: block;
+  font-weight: 400;
+  font-size: 0.8rem;
+  color: var(--muted);
+}
+#tree .list-head {
+  margin-top: 1rem;
+}
+.avatar {
+  display: inline-grid;
+  place-items: center;
+  flex: none;
+  width: 1.8rem;
+  height: 1.8rem;
+  border-radius: 50%;
+  background: var(--me);
+  font-weight: 700;
+  font-size: 0.85rem;
+}
+.recent-note .avatar {
+  width: 1.3rem;
+  height: 1.3rem;
+  margin-right: 0.3rem;
+  font-size: 0.7rem;
+}
+.chips {
+  list-style: none;
+  display: flex;
+  flex-wrap: wrap;
+  gap: 0.4rem;
+  padding: 0;
+}
+.chips li {
+  display: flex;
+  align-items: center;
+  gap: 0.35rem;
+  padding: 0.2rem;
+  border: 1px solid var(--line);
+  border-radius: 999px;
+  background: var(--surface);
+}
+.chips li.muted {
+  border: 0;
+  background: none;
+}
+.chips small {
+  color: var(--muted);
+  padding-right: 0.5rem;
+}
+dialog .chips select {
+  width: auto;
+  margin: 0;
+  min-height: 36px;
+  padding: 0 0.3rem;
+  border: 0;
+  background: none;
+  color: var(--muted);
+}
+dialog .row input[type="text"],
+dialog .row select {
+  flex: 1;
+  margin: 0;
+}
+.chips button {
+  min-width: 36px;
+  border-radius: 50%;
+}
+#people-list > li {
+  display: grid;
+  grid-template-columns: minmax(0, 1fr);
+  gap: 0.3rem;
+}
+#people-list .actions button {
+  padding: 0.35rem 0.55rem;
+  font-size: 0.9rem;
+}
+#people-list .who {
+  display: grid;
+  grid-template-columns: auto 1fr;
+  column-gap: 0.5rem;
+  align-items: center;
+}
+#people-list .avatar {
+  grid-row: span 2;
+}
+#people-list .actions {
+  margin: 0;
+  flex-wrap: wrap;
+}
+.held {
+  list-style: none;
+  padding: 0 0 0 2.3rem;
+  font-size: 0.9rem;
+}
+dialog .list .held li {
+  border: 0;
+  padding: 0;
+}
 """[1:]
 # --- end web/app.css ---
 
@@ -25778,11 +25923,15 @@ const core = (() => {
       try {
         v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
         setItem("local", "notesvc.grant", JSON.stringify(v.data.grant || null));
+        // who is signed in, and what a person reaches: the menu and the tree, offline too
+        const {person, reach} = v.data;
+        setItem("local", "notesvc.who", JSON.stringify({person, reach}));
       } catch (e) {
         if (offline.unreachable(e) && offline.offlineOn() && state.keyBase === state.base) {
           // out of reach, and this device keeps the notes: open them from the copy
           const grant = JSON.parse(getItem("local", "notesvc.grant") || "null");
-          v = {data: {grant, setupComplete: true}};
+          const who = JSON.parse(getItem("local", "notesvc.who") || "{}");
+          v = {data: {...who, grant, setupComplete: true}};
         } else if (e.status === 404) {
           state.base = "";
           removeItem("local", "notesvc.base");
@@ -25801,7 +25950,7 @@ const core = (() => {
           throw e;
         }
       }
-      grants.applyGrant(v.data.grant); // a scoped key: only what it may do
+      grants.applyGrant(v.data.grant, v.data); // a scoped key, a person: only what it may do
       if (!v.data.setupComplete && !v.data.grant && v.data.linkHere !== false) {
         // Not asked away from the server and its home network (linkHere false; the link
         // would be 403): the key still works, and setup waits for the server's own `pair`
@@ -25909,11 +26058,12 @@ const core = (() => {
     const items = (data.children || []).map(treeItem);
     ul.replaceChildren(...items.map((i) => i.li));
     if (!items.length) {
+      const top = folder === "notes" || (state.person && folder === state.person.home);
       ul.appendChild(
         markdown.el(
           "li",
           {class: "empty"},
-          folder === "notes" ? "No notes yet: start one with New note." : "Empty folder",
+          top ? "No notes yet: start one with New note." : "Empty folder",
         ),
       );
     }
@@ -25940,11 +26090,13 @@ const core = (() => {
       li.appendChild(b);
       return {li};
     }
+    // under its name: who shared it, whose home it is (people.js)
+    const by = people.label(node.path);
     const b = markdown.el(
       "button",
       {type: "button", class: "dir", "aria-expanded": "false", "data-path": node.path},
       markdown.el("span", {class: "caret", "aria-hidden": "true"}),
-      markdown.el("span", {}, node.name),
+      markdown.el("span", {}, node.name, by && markdown.el("small", {class: "by"}, by)),
       node.count === undefined ? null : markdown.el("span", {class: "count"}, String(node.count)),
     );
     if (node.count !== undefined)
@@ -25952,6 +26104,15 @@ const core = (() => {
     const sub = markdown.el("ul");
     sub.hidden = true;
     li.append(b, sub);
+    if (people.mayShare(node.path)) {
+      // (after the folder's list, placed on its row: `.dir + ul` stays the folder's own)
+      li.classList.add("shareable");
+      const share = () => people.shareFolder(node.path);
+      const on = people.sharedOwn(node.path) ? " on" : ""; // (shown: it is shared)
+      const attrs = {type: "button", class: "share" + on, title: "Share…", onclick: act(share)};
+      const icon = $("t-share").content.firstElementChild.cloneNode(true);
+      li.append(markdown.el("button", {...attrs, "aria-label": "Share " + node.name + "…"}, icon));
+    }
     const expand = async () => {
       b.setAttribute("aria-expanded", "true");
       sub.hidden = false;
@@ -25985,7 +26146,9 @@ const core = (() => {
   async function loadTree() {
     loadRecent().catch(() => {});
     const ul = markdown.el("ul");
-    await fillFolder("notes", ul);
+    await people.refresh(); // the owner's people, what is shared: the labels and Share…
+    // a person's top level: their home, then what is shared with them
+    if (!(await people.fillTop(ul))) await fillFolder("notes", ul);
     const focused =
       $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
     $("tree").replaceChildren(ul);
@@ -26026,7 +26189,7 @@ const core = (() => {
           },
           markdown.el("strong", {}, n.title || paths.nameOf(n.path)),
           markdown.el("span", {class: "preview"}, n.preview || ""),
-          markdown.el("small", {class: "muted"}, ago(n.modified)),
+          markdown.el("small", {class: "muted"}, people.mark(n.path), ago(n.modified)),
         ),
       ),
     );
@@ -26092,6 +26255,7 @@ const core = (() => {
     state,
     showPane,
     toast,
+    treeItem,
   };
 })();
 """[1:]
@@ -27831,6 +27995,8 @@ const app = (() => {
     $("status").className = "";
     $("about").disabled = false;
     $("about-label").textContent = "About this note: " + state.title;
+    people.noteLine(rec.path); // "Shared by Ann"
+    grants.noteActions(); // none that write in a folder shared to read only
     core.setItem("session", "notesvc.open", rec.path);
   }
 
@@ -29211,10 +29377,7 @@ const app = (() => {
     }
     $("menu-trash").hidden = !core.features.history;
     $("history").hidden = !core.features.history;
-    $("attach").hidden = !core.features.attachments || !grants.writable();
-    $("photo").hidden =
-      // a camera
-      !core.features.attachments || !grants.writable() || !matchMedia("(pointer: coarse)").matches;
+    grants.noteActions();
   }
 
   // -- search ----------------------------------------------------------------------------------
@@ -29730,26 +29893,39 @@ WEB_GRANTS_JS = r"""
 const grants = (() => {
   const {$, state} = core;
   const {el} = markdown;
-  function writable() {
-    return !state.grant || state.grant.scope !== "read";
+  // Whether this grant writes at a path (the open note's by default): not a read key, nor
+  // a folder shared with this person to read only.
+  function writable(path) {
+    if (state.grant && state.grant.scope === "read") return false;
+    const at = path === undefined ? state.path : path;
+    return !at || people.scopeAt(at) !== "read";
   }
 
-  function ownerLike() {
+  // Every scope and no folder: the owner's key and devices, and a person's admin device
+  // (whose admin is their own devices, keys and apps: people.js tells the two apart).
+  function admin() {
     return !state.grant || (state.grant.scope === "admin" && !state.grant.folder);
   }
 
-  function applyGrant(grant) {
+  const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
+  function scopeText(g) {
+    return (SCOPE_TEXT[g.scope] || g.scope) + (g.folder ? " · only " + g.folder : "");
+  }
+
+  // What this grant may do shapes the page; `who` is /auth/verify's answer (person, reach).
+  function applyGrant(grant, who) {
     state.grant = grant || null;
-    const owner = ownerLike();
+    people.applyWho(who || {grant});
+    const all = admin();
     const write = writable();
     for (const id of ["edit", "new", "empty-new", "menu-new", "move", "delete"]) {
       $(id).hidden = !write;
     }
-    const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
+    const daily = all || !state.grant.folder || state.grant.folder === "notes/daily";
     $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
-    $("menu-keys").hidden = !owner;
-    $("menu-telegram").hidden = !owner;
-    $("menu-tasks").hidden = !owner;
+    $("menu-keys").hidden = !all;
+    $("menu-telegram").hidden = !all || !!state.person; // the bot is the server's
+    $("menu-tasks").hidden = !all;
     $("menu-import").hidden = !write;
     $("share").hidden = !write;
     if (!write) {
@@ -29758,6 +29934,14 @@ const grants = (() => {
     }
     $("app").dataset.scope = state.grant ? state.grant.scope : "admin";
     if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
+  }
+
+  // The open note's own actions: none that write in a folder shared to read only.
+  function noteActions() {
+    const w = writable();
+    for (const id of ["edit", "move", "delete"]) $(id).hidden = !w;
+    $("attach").hidden = !w || !core.features.attachments;
+    $("photo").hidden = $("attach").hidden || !matchMedia("(pointer: coarse)").matches; // a camera
   }
 
   // Copy: the Clipboard API where the page is a secure context, else (plain HTTP on a home
@@ -29801,8 +29985,6 @@ const grants = (() => {
       el("button", {type: "button", onclick: () => copyText(value, label, input)}, "Copy"),
     );
   }
-
-  const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
 
   // Who made a grant or a share link (its createdBy): the owner, the command line on the
   // server, or a grant (an admin device) by id, named when it is still listed. Null (made
@@ -30009,11 +30191,14 @@ const grants = (() => {
           },
           "Add a device",
         ),
-        el(
-          "button",
-          {type: "button", id: "add-folder", onclick: core.act(() => devices.addDevice(true))},
-          "Give someone a folder",
-        ),
+        // (a person's devices are theirs: others join as people)
+        state.person
+          ? null
+          : el(
+              "button",
+              {type: "button", id: "add-folder", onclick: core.act(() => devices.addDevice(true))},
+              "Give someone a folder",
+            ),
       ),
       el("h3", {}, "Keys"),
       keyList,
@@ -30122,7 +30307,17 @@ const grants = (() => {
       core.act(() => shareNote()),
     );
   }
-  return {RELAY_HINT, writable, applyGrant, shownOnce, showKeys, wireGrants};
+  return {
+    RELAY_HINT,
+    admin,
+    applyGrant,
+    noteActions,
+    scopeText,
+    shownOnce,
+    showKeys,
+    wireGrants,
+    writable,
+  };
 })();
 """[1:]
 # --- end web/grants.js ---
@@ -31161,7 +31356,9 @@ const devices = (() => {
     return "Only this computer opens " + made.origin + ": start the server with --host 0.0.0.0.";
   }
 
-  async function showPairing(made) {
+  // The code to scan, until it is used (or closed); then `after` (the keys screen). `title`
+  // and `intro`: a person's first device (people.js) says whose it is.
+  async function showPairing(made, after, title, intro) {
     const until = new Date(made.expiresAt);
     const reach = el(
       "p",
@@ -31176,8 +31373,8 @@ const devices = (() => {
         ".",
     );
     const shown = app.dialog(
-      "Scan to join",
-      [...pairingView(made, "join this server"), reach, status],
+      title || "Scan to join",
+      [intro, ...pairingView(made, "join this server"), reach, status].filter(Boolean),
       [["cancel", "Done"]],
     );
     let watching = true;
@@ -31194,7 +31391,7 @@ const devices = (() => {
       }
     }
     await shown;
-    return grants.showKeys();
+    return (after || grants.showKeys)();
   }
 
   // -- tasks on a phone: everything a tasks app asks for, in one place ------------------------
@@ -31507,6 +31704,7 @@ const devices = (() => {
     dialogProblem,
     offerSetup,
     pairingInUrl,
+    showPairing,
     showTasks,
     showTelegram,
     wireDevices,
@@ -31514,6 +31712,481 @@ const devices = (() => {
 })();
 """[1:]
 # --- end web/devices.js ---
+# --- begin web/people.js ---
+WEB_PEOPLE_JS = r"""
+// -- people: who is signed in, the owner's People, Share… on a folder, Shared with me ------
+// A household on one server (docs/api.md: People). The owner (the server key, the owner's
+// devices) sees everything and adds people; a person sees their home and the folders
+// shared with them, and shares folders of their home. /auth/verify says who is signed in
+// (`person`, `reach`); the tree's top level for a person is their home, then the folders
+// shared with them with who shared them (GET /shared).
+// One name, people: what the other files call (applyWho, scopeAt, fillTop, label, ...).
+
+const people = (() => {
+  const {$, state} = core;
+  const {el} = markdown;
+  const SCOPE = {write: "can edit", read: "view only"};
+  let known = []; // the owner's people (GET /people): whom a folder may be shared with
+  state.shared = []; // the folders shared with this person: [{path, scope, sharedBy}]
+  state.shares = []; // this one's own folders that are shared: [{path, members}]
+
+  const inside = (path, folder) => path === folder || path.startsWith(folder + "/");
+
+  // The owner of the server: no person, every scope, no folder of its own.
+  function owner() {
+    return !state.person && grants.admin();
+  }
+
+  // From /auth/verify (or what this device kept of it): the menu's who-am-I and the owner's
+  // People; a person's tree opens at their home.
+  function applyWho(v) {
+    const g = v.grant;
+    state.person = v.person || null;
+    state.shared = (v.reach || []).filter((r) => r.sharedBy);
+    state.shares = [];
+    known = [];
+    loaded = null;
+    let name = "Owner";
+    let what = g ? g.name || "a key" : "the server key";
+    if (state.person) name = state.person.name;
+    else if (!grants.admin()) [name, what] = [g.name || "A key", grants.scopeText(g)];
+    $("who").replaceChildren(
+      el("small", {}, "Signed in as"),
+      " ",
+      el("strong", {}, name),
+      " · " + what,
+    );
+    $("menu-people").hidden = !owner();
+    if (state.person && core.getItem("session", "notesvc.expanded") === null)
+      state.expanded.add(state.person.home); // the first time: their home open
+  }
+
+  // Before the tree is drawn: the owner's people (homes labelled, folders shareable; read
+  // once a sign-in), and what is shared (GET /shared): with a person, and of one's own.
+  let loaded = null;
+  async function refresh() {
+    const load = async () => {
+      if (owner()) known = (await core.api("GET", "/people")).data.people;
+    };
+    loaded = loaded || load().catch(() => {}); // (out of reach: no labels)
+    await loaded;
+    if (!state.person && !known.length) return; // no one to share with: nothing shared
+    try {
+      const {data} = await core.api("GET", "/shared");
+      [state.shared, state.shares] = [data.folders, data.shares || []];
+    } catch (e) {
+      if (!offline.unreachable(e)) throw e; // out of reach: what this device knew
+    }
+  }
+
+  // The scope a person holds at a path: write in their home, a share's beyond; null where
+  // this page cannot tell (the server decides).
+  function scopeAt(path) {
+    if (!state.person) return null;
+    if (inside(path, state.person.home)) return "write";
+    const held = state.shared.filter((r) => inside(path, r.path)).map((r) => r.scope);
+    return held.includes("write") ? "write" : held[0] || null;
+  }
+
+  // A person's top level: their home ("My notes"), then the folders shared with them (each
+  // one not inside another), with who shared it. Returns false for the owner's whole tree.
+  async function fillTop(ul) {
+    if (!state.person || (state.grant && state.grant.folder)) return false;
+    const home = core.treeItem({type: "folder", name: "My notes", path: state.person.home});
+    const tops = state.shared.filter(
+      (f) => !state.shared.some((o) => o !== f && inside(f.path, o.path)),
+    );
+    const shared = tops.map((f) =>
+      core.treeItem({type: "folder", name: paths.nameOf(f.path), path: f.path}),
+    );
+    const head = el("li", {class: "list-head", id: "shared-head"}, "Shared with me");
+    ul.replaceChildren(home.li, ...(shared.length ? [head] : []), ...shared.map((i) => i.li));
+    await Promise.all([home, ...shared].filter((i) => i.expand).map((i) => i.expand()));
+    return true;
+  }
+
+  // The line under a folder's name: who shared it with this person; else whose home it
+  // is (for the owner) and whom it is shared with.
+  function label(path) {
+    const f = state.shared.find((r) => r.path === path);
+    if (f) return "Shared by " + f.sharedBy.name + " · " + SCOPE[f.scope];
+    const p = known.find((k) => k.home === path);
+    const s = sharedOwn(path);
+    const names = s && s.members.map((m) => m.name).join(", ");
+    return [p && p.name + "'s home", s && "Shared with " + names].filter(Boolean).join(" · ");
+  }
+  function sharedOwn(path) {
+    return state.shares.find((r) => r.path === path);
+  }
+
+  // Who may share a folder from here: the owner (any folder, once there are people), a
+  // person (a folder of their home, with a key that writes).
+  function mayShare(path) {
+    // (a person's home itself is not offered: one tap would share all their notes)
+    const home = state.person && state.person.home;
+    if (home) return grants.writable(path) && path.startsWith(home + "/");
+    return owner() && known.length > 0 && path !== "notes";
+  }
+
+  // The open note's line under its title: who shared its folder with this person, or whom
+  // the folder holding it is shared with.
+  function noteLine(path) {
+    const f = state.shared.find((r) => inside(path, r.path));
+    const own = state.shares.filter((r) => inside(path, r.path)).pop(); // the deepest
+    const line = $("note-shared");
+    line.textContent = f
+      ? "Shared by " + f.sharedBy.name + (f.scope === "read" ? " · view only" : "")
+      : own
+        ? "Shared with " + own.members.map((m) => m.name).join(", ")
+        : "";
+    line.hidden = !line.textContent;
+    // its folder's Share… in the note's menu too (as the tree's people icon)
+    const folder = path.slice(0, path.lastIndexOf("/"));
+    const item = $("share-folder");
+    item.hidden = !mayShare(folder);
+    item.textContent = "Share “" + paths.nameOf(folder) + "” with people…";
+    item.onclick = core.act(() => shareFolder(folder));
+  }
+
+  // In the recent list: the initial of who shared the note's folder with this person.
+  function mark(path) {
+    const f = state.shared.find((r) => inside(path, r.path));
+    if (!f) return null;
+    const by = "Shared by " + f.sharedBy.name;
+    const initial = [...f.sharedBy.name][0].toUpperCase();
+    return el("span", {class: "avatar", role: "img", title: by, "aria-label": by}, initial);
+  }
+
+  // A round badge with a person's initial, before their name.
+  function avatar(name) {
+    return el("span", {class: "avatar", "aria-hidden": "true"}, [...name][0].toUpperCase());
+  }
+
+  // -- Share…: a folder's members as chips, each with its scope; more people below ----------
+
+  async function shareFolder(path) {
+    const url = "/folders/" + core.enc(path) + "/members";
+    const {data} = await core.api("GET", url);
+    const own = data.members.filter((m) => !m.inherited);
+    const put = core.act(async (members) => {
+      const wanted = members.map((m) => ({person: m.person, scope: m.scope}));
+      await core.api("PUT", url, {members: wanted});
+      core.toast(
+        members.length ? "Shared with " + members.map((m) => m.name).join(", ") : "Not shared",
+      );
+      core // its label and the open note's line follow
+        .loadTree()
+        .then(() => state.path && noteLine(state.path))
+        .catch(() => {});
+      return shareFolder(path);
+    });
+    const chips = el("ul", {class: "chips", id: "share-members"});
+    for (const m of data.members) {
+      const chip = el("li", {"data-person": m.person}, avatar(m.name), el("strong", {}, m.name));
+      if (m.inherited) {
+        chip.append(el("small", {}, SCOPE[m.scope] + " · from " + paths.nameOf(m.from)));
+      } else {
+        const scope = scopeSelect(m.scope, "Scope of " + m.name);
+        scope.addEventListener("change", () =>
+          put(own.map((o) => (o === m ? {...o, scope: scope.value} : o))),
+        );
+        const drop = () => put(own.filter((o) => o !== m));
+        chip.append(
+          scope,
+          el(
+            "button",
+            {
+              type: "button",
+              class: "plain",
+              "aria-label": "Stop sharing with " + m.name,
+              onclick: drop,
+            },
+            "×",
+          ),
+        );
+      }
+      chips.append(chip);
+    }
+    if (!chips.children.length)
+      chips.append(el("li", {class: "muted"}, "Not shared yet: only you see it."));
+    const free = (data.candidates || []).filter((c) => !own.some((m) => m.person === c.id));
+    const who = el("select", {id: "share-person", "aria-label": "Person"});
+    who.append(...free.map((c) => el("option", {value: c.id}, c.name)));
+    const scopeNew = scopeSelect("write", "What they may do");
+    scopeNew.id = "share-scope";
+    const add = () =>
+      put([...own, {person: who.value, name: who.selectedOptions[0].text, scope: scopeNew.value}]);
+    const body = [
+      el(
+        "p",
+        {},
+        "The people you share it with see this folder and everything in it, on all their " +
+          "devices and apps. Taking someone off cuts them off at once.",
+      ),
+      chips,
+      ...(free.length
+        ? [
+            el("h3", {}, "Share with"),
+            el(
+              "div",
+              {class: "row"},
+              who,
+              scopeNew,
+              el(
+                "button",
+                {type: "button", id: "share-add", class: "primary", onclick: add},
+                "Share",
+              ),
+            ),
+          ]
+        : [
+            el(
+              "p",
+              {class: "muted"},
+              (data.candidates || []).length
+                ? "Everyone here has it now."
+                : "No one else lives on this server yet.",
+            ),
+          ]),
+    ];
+    if (state.person)
+      body.push(
+        el("p", {class: "muted"}, "The server's owner can read every note: they run the machine."),
+      );
+    return app.dialog("Share “" + paths.nameOf(path) + "”", body, [["cancel", "Done"]]);
+  }
+
+  function scopeSelect(value, what) {
+    const s = el(
+      "select",
+      {"aria-label": what},
+      ...Object.entries(SCOPE).map(([k, t]) => el("option", {value: k}, t)),
+    );
+    s.value = value;
+    return s;
+  }
+
+  // -- People (the owner): add one (a code for their first device), their devices, rename,
+  // remove -------------------------------------------------------------------------------
+
+  async function showPeople() {
+    const [listed, grantsNow] = await Promise.all([
+      core.api("GET", "/people"),
+      core.api("GET", "/auth/keys"),
+    ]);
+    known = listed.data.people;
+    const list = el("ul", {class: "list", id: "people-list"});
+    for (const p of known) {
+      const theirs = grantsNow.data.keys.filter((g) => g.person === p.id);
+      const act = (text, fn, cls) =>
+        el(
+          "button",
+          {type: "button", class: cls || null, onclick: core.act(() => fn(p, theirs))},
+          text,
+        );
+      const used = p.lastUsedAt ? " · used " + core.ago(p.lastUsedAt) : "";
+      const held = el("ul", {class: "held"});
+      for (const g of theirs) {
+        const revoke = core.act(async () => {
+          const sure = await app.choose("Revoke “" + g.name + "”?", "It stops working at once.", [
+            ["cancel", "Cancel"],
+            ["revoke", "Revoke", "danger"],
+          ]);
+          if (sure === "revoke") await core.api("DELETE", "/auth/keys/" + core.enc(g.id));
+          await showPeople();
+        });
+        const kind = {device: "device", oauth: "app"}[g.kind] || "key";
+        held.append(
+          el(
+            "li",
+            {},
+            el("span", {}, g.name, el("small", {class: "muted"}, " · " + kind)),
+            el("button", {type: "button", class: "plain", onclick: revoke}, "Revoke"),
+          ),
+        );
+      }
+      list.append(
+        el(
+          "li",
+          {"data-person": p.id},
+          el(
+            "span",
+            {class: "who"},
+            avatar(p.name),
+            el("strong", {}, p.name),
+            el(
+              "small",
+              {class: "muted"},
+              p.home + " · " + core.counted(p.devices, "device") + used,
+            ),
+          ),
+          el(
+            "span",
+            {class: "actions"},
+            act("Add a device", addDevice),
+            act("Rename", rename),
+            act("Remove", remove, "danger"),
+          ),
+          theirs.length ? held : null,
+        ),
+      );
+    }
+    if (!known.length) list.append(el("li", {class: "muted"}, "No one yet: it is only you."));
+    const name = el("input", {
+      type: "text",
+      id: "person-name",
+      maxlength: "64",
+      autocomplete: "off",
+    });
+    const body = [
+      el(
+        "p",
+        {},
+        "Each person has a folder of their own and sees only it and the folders shared with " +
+          "them. You see every note: you run the server.",
+      ),
+      list,
+      el("h3", {}, "Add a person"),
+      el("label", {for: "person-name"}, "Name (their folder's name too)"),
+      el(
+        "div",
+        {class: "row"},
+        name,
+        el(
+          "button",
+          {
+            type: "button",
+            id: "person-add",
+            class: "primary",
+            onclick: core.act(() => addPerson(name, body)),
+          },
+          "Add",
+        ),
+      ),
+    ];
+    name.addEventListener(
+      "keydown",
+      (e) => e.key === "Enter" && core.act(() => addPerson(name, body))(),
+    );
+    core.loadTree().catch(() => {}); // homes are labelled, folders shareable
+    return app.dialog("People", body, [["cancel", "Close"]], known.length ? undefined : name);
+  }
+
+  async function addPerson(name, body) {
+    let made;
+    try {
+      made = (await core.api("POST", "/people", {name: name.value.trim()})).data;
+    } catch (e) {
+      if (e instanceof core.Problem && (e.status === 401 || e.status === 429)) throw e;
+      devices.dialogProblem(body, e);
+      return app.dialog("People", body, [["cancel", "Close"]], name);
+    }
+    const who = made.person.name;
+    const intro = who + "'s phone scans this, or opens the link: it joins as " + who + ".";
+    return devices.showPairing(made.pairing, showPeople, who + "'s first device", intro);
+  }
+
+  async function addDevice(p) {
+    const {data} = await core.api("POST", "/people/" + core.enc(p.id) + "/pairings", {
+      name: p.name + "'s device",
+      scope: "admin",
+    });
+    return devices.showPairing(
+      data,
+      showPeople,
+      "A device for " + p.name,
+      p.name + " scans this with the new device's camera.",
+    );
+  }
+
+  async function rename(p) {
+    const input = el("input", {type: "text", id: "person-rename", maxlength: "64"});
+    input.value = p.name;
+    const body = [el("label", {for: "person-rename"}, "Name (their folder keeps its name)"), input];
+    for (;;) {
+      if (
+        (await app.dialog(
+          "Rename " + p.name,
+          body,
+          [
+            ["cancel", "Cancel"],
+            ["save", "Rename", "primary"],
+          ],
+          input,
+        )) !== "save"
+      )
+        return showPeople();
+      try {
+        await core.api("PATCH", "/people/" + core.enc(p.id), {name: input.value.trim()});
+        return showPeople();
+      } catch (e) {
+        if (e instanceof core.Problem && (e.status === 401 || e.status === 429)) throw e;
+        devices.dialogProblem(body, e);
+      }
+    }
+  }
+
+  async function remove(p, theirs) {
+    const phones = theirs.filter((g) => g.kind === "device").length;
+    const others = theirs.length - phones;
+    const more = others ? " and " + core.counted(others, "key or app", "keys and apps") : "";
+    const text = [
+      (theirs.length
+        ? p.name +
+          "'s " +
+          core.counted(phones, "device") +
+          more +
+          " stop working at once, " +
+          "with the share links, calendar feeds and chats they made or linked."
+        : p.name + " has not joined from a device yet: the code to join stops working.") +
+        " Folders shared with " +
+        p.name +
+        " are no longer shared.",
+      el(
+        "p",
+        {id: "remove-stays"},
+        p.name + "'s notes stay in " + p.home + ", where you still see them.",
+      ),
+    ];
+    const sure = await app.choose("Remove " + p.name + "?", text, [
+      ["cancel", "Cancel"],
+      ["remove", "Remove " + p.name, "danger"],
+    ]);
+    if (sure === "remove") {
+      const {data} = await core.api("DELETE", "/people/" + core.enc(p.id));
+      core.toast(
+        p.name +
+          " removed: " +
+          core.counted(data.revoked.length, "device, key or app", "devices, keys and apps") +
+          " ended",
+      );
+    }
+    return showPeople();
+  }
+
+  function wirePeople() {
+    $("menu-people").addEventListener(
+      "click",
+      core.act(() => showPeople()),
+    );
+  }
+
+  return {
+    applyWho,
+    fillTop,
+    label,
+    mark,
+    mayShare,
+    noteLine,
+    refresh,
+    scopeAt,
+    shareFolder,
+    sharedOwn,
+    wirePeople,
+  };
+})();
+"""[1:]
+# --- end web/people.js ---
 # --- begin web/transfer.js ---
 WEB_TRANSFER_JS = r"""
 // -- bring notes in, take them all out (docs/api.md: Import) --------------------------------------
@@ -31607,7 +32280,8 @@ WEB_TRANSFER_JS = r"""
 
   async function showImport() {
     const input = el("input", {type: "file", id: "import-file", accept: IMPORT_TYPES});
-    const into = el("input", {type: "text", id: "import-into", placeholder: "notes/imported/…"});
+    const home = state.person ? state.person.home : "notes"; // a person's go to their home
+    const into = el("input", {type: "text", id: "import-into", placeholder: home + "/imported/…"});
     const body = [
       el(
         "p",
@@ -31721,6 +32395,7 @@ WEB_MAIN_JS = r"""
   app.wire();
   grants.wireGrants();
   devices.wireDevices();
+  people.wirePeople();
   offline.wireOffline();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {
@@ -31766,19 +32441,127 @@ WEB_MAIN_JS = r"""
 # --- end web/main.js ---
 
 
+# a / after one of these (or a line's start) opens a regular expression, else it divides
+_REGEX_AFTER = set("(,=:[!&|?{};+-*%<>~^")
+_REGEX_WORD = re.compile(r"\b(return|typeof|case|of|in|do|else|void|yield|await)\s*\Z")
+
+
+def scan_script(js: str) -> tuple:
+    """Return (the numbers, from 0, of the lines of a script that begin inside a string or
+    a template literal: text, kept as it is; the (start, end) of each comment). A small
+    scanner of the script's strings, comments, templates (with `${}` inside) and regular
+    expressions; prettier's layout keeps the regex-or-division guess simple. ValueError when
+    it ends inside a template (it lost its place: nothing it found is used).
+
+    >>> scan_script("a = `x\\n  y` + /`/.source; // why\\nb = '`'; /* c */")
+    ({1}, [(26, 32), (42, 49)])
+    """
+    kept: set = set()
+    comments: list = []
+    stack = ["code"]  # modes: code (its `{` depth beside it in depths), tpl
+    depths = [0]
+    i, line, n, last = 0, 0, len(js), ""  # last: the code's last significant character
+    while i < n:
+        c, mode = js[i], stack[-1]
+        if c == "\n":
+            line += 1
+            if mode == "tpl":
+                kept.add(line)
+        elif mode == "tpl":
+            if c == "\\" and js[i + 1 : i + 2] == "\n":
+                i += 1
+                line += 1
+                kept.add(line)
+            elif c == "\\":
+                i += 1
+            elif c == "`":
+                stack.pop()
+                last = "`"
+            elif js.startswith("${", i):
+                stack.append("code")
+                depths.append(0)
+                i += 1
+        elif js.startswith("//", i):
+            end = js.find("\n", i)
+            end = n if end < 0 else end
+            comments.append((i, end))
+            i = end - 1
+        elif js.startswith("/*", i):
+            end = js.find("*/", i + 2) + 2
+            end = n if end < 2 else end
+            comments.append((i, end))
+            line += js.count("\n", i, end)
+            i = end - 1
+        elif c in "'\"":
+            i += 1
+            while i < n and js[i] != c:
+                if js[i] == "\\":
+                    i += 1
+                    if js[i : i + 1] == "\n":
+                        line += 1
+                        kept.add(line)  # a string continued on the next line
+                i += 1
+            last = c
+        elif c == "`":
+            stack.append("tpl")
+        elif c == "/" and (
+            not last or last in _REGEX_AFTER or _REGEX_WORD.search(js[max(0, i - 12) : i])
+        ):
+            klass = False
+            i += 1
+            while i < n and (js[i] != "/" or klass) and js[i] != "\n":
+                if js[i] == "\\":
+                    i += 1
+                elif js[i] in "[]":
+                    klass = js[i] == "["
+                i += 1
+            last = "/"
+        elif c == "{":
+            depths[-1] += 1
+            last = c
+        elif c == "}" and depths[-1] == 0 and len(stack) > 1:
+            stack.pop()  # the end of a ${...}: back in its template
+            depths.pop()
+        elif not c.isspace():
+            depths[-1] -= c == "}"
+            last = c
+        i += 1
+    if stack != ["code"]:  # the scanner lost its place: serve nothing it might have cut
+        raise ValueError(f"a template literal of the script does not end (line {line + 1})")
+    return kept, comments
+
+
 def lean_script(js: str) -> str:
-    """Return the script with each line that is only a // comment left empty: the comments
-    are for whoever reads web/, and the phone gets the page a sixth smaller gzipped. Lines
-    stay where they were, so an error's line in the page is a line of the sources' order.
-    (The web/ scripts hold no template literal across lines, where a // line would be text;
-    node --check and the no-undef lint run on the result.)"""
-    return "\n".join("" if line.lstrip().startswith("//") else line for line in js.split("\n"))
+    """Return the script as the page serves it: without comments and without indentation
+    (the comments are for whoever reads web/; the page is a third smaller gzipped). Lines
+    stay where they were (a comment's lines are left empty), so an error's line in the page
+    is a line of the sources' order; a line that begins or ends inside a string or a
+    template literal keeps its spaces. node --check and the no-undef lint run on the
+    result."""
+    kept, comments = scan_script(js)
+    parts, at = [], 0
+    for start, end in comments:  # a block comment on one line becomes a space
+        block = js.startswith("/*", start)
+        parts += [js[at:start], "\n" * js.count("\n", start, end) or " " * block]
+        at = end
+    lines = "".join([*parts, js[at:]]).split("\n")
+    return "\n".join(
+        line if i in kept else line.lstrip() if i + 1 in kept else line.strip()
+        for i, line in enumerate(lines)
+    )
+
+
+def lean_css(css: str) -> str:
+    """Return a style sheet as the page serves it: without comments and indentation, each
+    line where it was (a comment's lines are left empty)."""
+    css = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group().count("\n"), css, flags=re.S)
+    return "\n".join(line.strip() for line in css.split("\n"))
 
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# transfer.js, offline.js, and last main.js, where the page starts (the files before it
+# people.js, transfer.js, offline.js, and last main.js, where the page starts (the files before it
 # only define).
 WEB_JS = "".join(
     (
@@ -31795,12 +32578,14 @@ WEB_JS = "".join(
         WEB_JS_REST,
         WEB_GRANTS_JS,
         WEB_DEVICES_JS,
+        WEB_PEOPLE_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
         WEB_MAIN_JS,
     )
 )
-WEB_JS = lean_script(WEB_JS)  # as served: without the comment lines
+WEB_JS = lean_script(WEB_JS)  # as served: without the comment lines and indentation
+WEB_CSS = lean_css(WEB_CSS)  # as served: without comments and indentation
 
 # --- begin web/app.html ---
 WEB_PAGE = r"""
@@ -31839,6 +32624,10 @@ WEB_PAGE = r"""
     <circle cx="5" cy="12" r="1"/><circle cx="12" cy="12" r="1"/><circle cx="19" cy="12" r="1"/>
   </symbol>
   <symbol id="i-back" viewBox="0 0 24 24"><path d="M15 5l-7 7 7 7"/></symbol>
+  <symbol id="i-people" viewBox="0 0 24 24"><circle cx="9" cy="8" r="3.5"/>
+    <path d="M2.5 20c0-3.6 2.9-6 6.5-6s6.5 2.4 6.5 6M16 4.6a3.5 3.5 0 010 6.8"/>
+    <path d="M18 14.3c2 .7 3.5 2.8 3.5 5.7"/>
+  </symbol>
   <symbol id="i-check" viewBox="0 0 24 24">
     <rect x="3.5" y="3.5" width="17" height="17" rx="4"/><path d="M8 12.5l3 3 5.5-6"/></symbol>
 </svg>
@@ -31907,11 +32696,13 @@ WEB_PAGE = r"""
       <summary aria-label="Menu"><svg class="icon" aria-hidden="true"><use href="#i-more"/></svg>
       </summary>
       <div class="menu-list">
+        <p id="who" class="path-item"></p>
         <button id="menu-new" type="button">New note</button>
         <button id="menu-refresh" type="button">Refresh</button>
         <button id="menu-trash" type="button" hidden>Trash</button>
         <button id="menu-offline" type="button" hidden>Keep notes on this device</button>
         <button id="menu-keys" type="button" hidden>Keys and devices</button>
+        <button id="menu-people" type="button" hidden>People</button>
         <button id="menu-tasks" type="button" hidden>Tasks on your phone</button>
         <button id="menu-telegram" type="button" hidden>Telegram</button>
         <button id="menu-import" type="button">Import notes…</button>
@@ -31954,7 +32745,8 @@ WEB_PAGE = r"""
       <div id="note-bar" class="note-bar" hidden>
         <button id="back" type="button" class="plain" aria-label="Back to notes">
           <svg class="icon" aria-hidden="true"><use href="#i-back"/></svg></button>
-        <div class="note-title"><strong id="title"></strong></div>
+        <div class="note-title"><strong id="title"></strong>
+          <small id="note-shared" hidden></small></div>
         <span id="status" role="status"></span>
         <button id="edit" type="button">Edit</button>
         <details class="menu" id="note-menu">
@@ -31965,7 +32757,8 @@ WEB_PAGE = r"""
               <small id="modified"></small></p>
             <button id="attach" type="button" hidden>Attach a file…</button>
             <button id="photo" type="button" hidden>Take a photo…</button>
-            <button id="share" type="button" hidden>Share…</button>
+            <button id="share-folder" type="button" hidden></button>
+            <button id="share" type="button" hidden>Share a link…</button>
             <button id="move" type="button">Move or rename…</button>
             <button id="history" type="button" hidden>History…</button>
             <button id="delete" type="button" class="danger">Move to trash</button>
@@ -32033,6 +32826,7 @@ WEB_PAGE = r"""
 </dialog>
 
 <div id="toast" role="status" aria-live="polite" hidden></div>
+<template id="t-share"><svg class="icon" aria-hidden="true"><use href="#i-people"/></svg></template>
 <script>{js}</script>
 </body>
 </html>
@@ -32198,8 +32992,8 @@ PAGE_CSS = r"""
 body{margin:0;font:16px/1.5 system-ui,sans-serif;color:#1d232a;background:#f6f7f9}
 main{max-width:42em;margin:0 auto;padding:1.2em}
 h1{font-size:1.4em;line-height:1.25}label{display:block;margin:.8em 0 .2em}
-input,button{font:inherit;padding:.6em .7em;border:1px solid #8a94a0;border-radius:6px}
-input[type=password],input[type=text]{width:100%}button{min-height:2.9em;min-width:7em;cursor:pointer}
+input,button,select{font:inherit;padding:.6em .7em;border:1px solid #8a94a0;border-radius:6px}
+input[type=password],input[type=text],select{width:100%}button{min-height:2.9em;min-width:7em;cursor:pointer}
 button.go{background:#1d4f91;color:#fff;border-color:#1d4f91}button:disabled{opacity:.6}
 fieldset{border:1px solid #c8ced6;border-radius:6px;margin:1em 0}fieldset label{margin:.4em 0}
 .row{display:flex;gap:.7em;flex-wrap:wrap;margin-top:1.2em}.hidden{display:none!important}
@@ -32214,7 +33008,7 @@ border-left:3px solid #c8ced6;color:#444}table{border-collapse:collapse}td,th{bo
 mark{background:#fff0a0}
 @media (prefers-color-scheme:dark){body{background:#111418;color:#e4e8ec}
 article{background:#1a1f25;border-color:#2c333b}pre{background:#232a31}.muted{color:#a6b0ba}
-input{background:#1a1f25;color:#e4e8ec}.err{color:#ff8a80}}
+input,select{background:#1a1f25;color:#e4e8ec}.err{color:#ff8a80}}
 """[1:]
 # --- end web/page.css ---
 
@@ -32373,11 +33167,43 @@ async function load() {
     $("device").textContent = device.name || "this device";
     $("signed-in").classList.remove("hidden");
     $("key-row").classList.add("hidden");
+    await asPerson(kept, device);
     $("allow").focus();
     return;
   }
   if (kept && !kept.startsWith("nsd_")) $("key").value = kept;
   $("key").focus();
+}
+
+// A person's admin device: "Signed in as <person> · <device>", and the folders offered are
+// those of their reach (their home, the folders shared with them), not a path to type.
+async function asPerson(key, device) {
+  let who = null;
+  try {
+    const r = await fetch(api + "/auth/verify", {
+      method: "POST",
+      mode: "same-origin",
+      headers: {"X-Service-Key": key},
+    });
+    who = r.ok ? (await r.json()).data : null;
+  } catch (e) {
+    /* the owner's page as it was: the server says no to a key it does not take */
+  }
+  if (!who || !who.person) return;
+  const name = (who.grant && who.grant.name) || device.name || "this device";
+  $("device").textContent = who.person.name + " · " + name;
+  const pick = $("folder-pick");
+  for (const r of who.reach || []) {
+    const whose = r.sharedBy ? "shared by " + r.sharedBy.name : "your own";
+    const option = document.createElement("option");
+    option.value = r.path;
+    option.textContent = r.path + " (" + whose + (r.scope === "read" ? ", read only)" : ")");
+    pick.append(option);
+  }
+  pick.classList.remove("hidden");
+  $("folder").classList.add("hidden");
+  $("folder-label").htmlFor = "folder-pick";
+  $("folder-label").textContent = "Which of your folders";
 }
 
 async function allow() {
@@ -32390,7 +33216,8 @@ async function allow() {
     scope: $("scope-write").checked ? "notes:read notes:write" : "notes:read",
   };
   if (ask.get("state")) body.state = ask.get("state");
-  let folder = $("folder").value.trim().replace(/\/+$/, "");
+  const picked = !$("folder-pick").classList.contains("hidden");
+  let folder = (picked ? $("folder-pick") : $("folder")).value.trim().replace(/\/+$/, "");
   if (folder) body.folder = folder.startsWith("notes/") ? folder : "notes/" + folder;
   $("allow").disabled = true;
   try {
@@ -32448,8 +33275,10 @@ CONSENT_PAGE = r"""
 read and search your notes</label>
 <label id="write-row"><input type="radio" name="scope" id="scope-write" value="write">
 read, create and change your notes</label></fieldset>
-<label for="folder">Only this folder (leave empty for all notes)</label>
+<label for="folder" id="folder-label">Only this folder (leave empty for all notes)</label>
 <input id="folder" type="text" autocomplete="off" placeholder="notes/family">
+<select id="folder-pick" class="hidden"><option value="">All my notes and shared folders</option>
+</select>
 <p id="signed-in" class="hidden">Signed in as <span id="device" class="who"></span>.</p>
 <div id="key-row"><label for="key">Your API key (it stays on this page and your server)</label>
 <input id="key" type="password" autocomplete="off" placeholder="nsk_..."></div>
@@ -39368,10 +40197,26 @@ def _shared_folder(svc: Service, raw: str) -> str:
 
 
 def get_members(svc: Service, path: str) -> dict:
+    """GET /folders/:path/members: the folder's members (its own, then the inherited ones)
+    and, for a principal who may share it, `candidates`: the people it may be shared with
+    (everyone but the one sharing and the person whose home holds it), so a person's Share
+    dialog can name them without the owner's list of people."""
     folder = _shared_folder(svc, path)
     if not svc.notes.on_disk(folder).is_dir():  # (moved away, or never made)
         raise not_found(f"no folder at {folder}")
-    return {"path": folder, "members": svc.people.members(folder)}
+    answer = {"path": folder, "members": svc.people.members(folder)}
+    who = request_principal()
+    data = svc.state.read()
+    homes = {p["id"]: p["home"] for p in svc.people.people(data)}
+    may_share = who.allows("write") and (who.whole or who.may_write(folder))
+    if may_share and (not who.person or inside(folder, homes.get(who.person, NOTES + "/"))):
+        holder = next((pid for pid, home in homes.items() if inside(folder, home)), None)
+        answer["candidates"] = [
+            {"id": p["id"], "name": p["name"]}
+            for p in sorted(svc.people.people(data), key=lambda p: p["name"].casefold())
+            if p["id"] not in (who.person, holder)
+        ]
+    return answer
 
 
 def put_members(svc: Service, path: str) -> dict:
@@ -39389,9 +40234,20 @@ def put_members(svc: Service, path: str) -> dict:
 
 
 def list_shared_with_me(svc: Service) -> dict:
-    """GET /shared: the folders shared with the person asking (none for the owner)."""
-    person = request_principal().person
-    return {"folders": svc.people.shared_with(person) if person else []}
+    """GET /shared: the folders shared with the person asking (none for the owner), and
+    `shares`: the shared folders that are the asker's own, with their members (a person's:
+    those in their home, whoever shared them; the owner's: every shared folder), so a list
+    can mark what is shared and with whom."""
+    who = request_principal()
+    data = svc.state.read()
+    me = svc.people.get(who.person, data) if who.person else None
+    shares = []
+    for folder in sorted(data.get("members", {})):
+        mine = inside(folder, me["home"]) if me else who.whole and who.allows("write")
+        if mine and who.sees(folder):
+            shares.append({"path": folder, "members": svc.people.members(folder)})
+    folders = svc.people.shared_with(who.person) if who.person else []
+    return {"folders": folders, "shares": shares}
 
 
 # == src/notesvc/http/routes.py ===============================================
@@ -39434,6 +40290,16 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 _STR = {"type": "string"}
 _NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
+_HOME = {  # a folder below notes/, never notes/ itself
+    **_FOLDER_PATH,
+    "minLength": 7,
+    "pattern": _FOLDER_PATH["pattern"].replace(")*/?$", ")+/?$"),
+    "examples": ["notes/Ann"],
+}
+_SUBFOLDER_PARAM = {
+    **FOLDER_PATH_PARAM,
+    "pattern": FOLDER_PATH_PARAM["pattern"].replace(")*/?$", ")+/?$"),
+}
 _VERSION_ID = {
     "type": "string",
     "pattern": json_pattern(VERSION_ID_RE),
@@ -40343,8 +41209,8 @@ ROUTES = (
         "device, shown once",
         body=_obj(
             ["name"],
-            name={**_STR, "minLength": 1, "maxLength": 64, "pattern": NOT_BLANK_PATTERN},
-            home=_FOLDER_PATH,
+            name=FOLDER_NAME_SCHEMA,
+            home=_HOME,
         ),
         status=201,
         tag="people",
@@ -40364,7 +41230,7 @@ ROUTES = (
         "/people/<person_id>",
         rename_person,
         summary="Rename a person (their home keeps its name)",
-        body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 64}),
+        body=_obj(["name"], name=FOLDER_NAME_SCHEMA),
         tag="people",
         scope="admin",
     ),
@@ -40399,7 +41265,7 @@ ROUTES = (
         get_members,
         summary="Who a folder is shared with: its own members, then those of the folders "
         "above it (inherited)",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": _SUBFOLDER_PARAM},
         tag="people",
         scope="read",
     ),
@@ -40409,7 +41275,7 @@ ROUTES = (
         put_members,
         summary="Share a folder: replace its members (the owner any folder, a person one of "
         "their home)",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": _SUBFOLDER_PARAM},
         body=_obj(
             ["members"],
             members={

@@ -7,6 +7,7 @@
   app.wire();
   grants.wireGrants();
   devices.wireDevices();
+  people.wirePeople();
   offline.wireOffline();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {

@@ -6,6 +6,7 @@ import base64
 import functools
 import gzip
 import hashlib
+import re
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -49,23 +50,132 @@ WEB_GRANTS_JS = web_source("grants.js")
 WEB_OFFLINE_JS = web_source("offline.js")
 SW_JS = web_source("sw.js")
 WEB_DEVICES_JS = web_source("devices.js")
+WEB_PEOPLE_JS = web_source("people.js")
 WEB_TRANSFER_JS = web_source("transfer.js")
 WEB_MAIN_JS = web_source("main.js")
 
 
+# a / after one of these (or a line's start) opens a regular expression, else it divides
+_REGEX_AFTER = set("(,=:[!&|?{};+-*%<>~^")
+_REGEX_WORD = re.compile(r"\b(return|typeof|case|of|in|do|else|void|yield|await)\s*\Z")
+
+
+def scan_script(js: str) -> tuple:
+    """Return (the numbers, from 0, of the lines of a script that begin inside a string or
+    a template literal: text, kept as it is; the (start, end) of each comment). A small
+    scanner of the script's strings, comments, templates (with `${}` inside) and regular
+    expressions; prettier's layout keeps the regex-or-division guess simple. ValueError when
+    it ends inside a template (it lost its place: nothing it found is used).
+
+    >>> scan_script("a = `x\\n  y` + /`/.source; // why\\nb = '`'; /* c */")
+    ({1}, [(26, 32), (42, 49)])
+    """
+    kept: set = set()
+    comments: list = []
+    stack = ["code"]  # modes: code (its `{` depth beside it in depths), tpl
+    depths = [0]
+    i, line, n, last = 0, 0, len(js), ""  # last: the code's last significant character
+    while i < n:
+        c, mode = js[i], stack[-1]
+        if c == "\n":
+            line += 1
+            if mode == "tpl":
+                kept.add(line)
+        elif mode == "tpl":
+            if c == "\\" and js[i + 1 : i + 2] == "\n":
+                i += 1
+                line += 1
+                kept.add(line)
+            elif c == "\\":
+                i += 1
+            elif c == "`":
+                stack.pop()
+                last = "`"
+            elif js.startswith("${", i):
+                stack.append("code")
+                depths.append(0)
+                i += 1
+        elif js.startswith("//", i):
+            end = js.find("\n", i)
+            end = n if end < 0 else end
+            comments.append((i, end))
+            i = end - 1
+        elif js.startswith("/*", i):
+            end = js.find("*/", i + 2) + 2
+            end = n if end < 2 else end
+            comments.append((i, end))
+            line += js.count("\n", i, end)
+            i = end - 1
+        elif c in "'\"":
+            i += 1
+            while i < n and js[i] != c:
+                if js[i] == "\\":
+                    i += 1
+                    if js[i : i + 1] == "\n":
+                        line += 1
+                        kept.add(line)  # a string continued on the next line
+                i += 1
+            last = c
+        elif c == "`":
+            stack.append("tpl")
+        elif c == "/" and (
+            not last or last in _REGEX_AFTER or _REGEX_WORD.search(js[max(0, i - 12) : i])
+        ):
+            klass = False
+            i += 1
+            while i < n and (js[i] != "/" or klass) and js[i] != "\n":
+                if js[i] == "\\":
+                    i += 1
+                elif js[i] in "[]":
+                    klass = js[i] == "["
+                i += 1
+            last = "/"
+        elif c == "{":
+            depths[-1] += 1
+            last = c
+        elif c == "}" and depths[-1] == 0 and len(stack) > 1:
+            stack.pop()  # the end of a ${...}: back in its template
+            depths.pop()
+        elif not c.isspace():
+            depths[-1] -= c == "}"
+            last = c
+        i += 1
+    if stack != ["code"]:  # the scanner lost its place: serve nothing it might have cut
+        raise ValueError(f"a template literal of the script does not end (line {line + 1})")
+    return kept, comments
+
+
 def lean_script(js: str) -> str:
-    """Return the script with each line that is only a // comment left empty: the comments
-    are for whoever reads web/, and the phone gets the page a sixth smaller gzipped. Lines
-    stay where they were, so an error's line in the page is a line of the sources' order.
-    (The web/ scripts hold no template literal across lines, where a // line would be text;
-    node --check and the no-undef lint run on the result.)"""
-    return "\n".join("" if line.lstrip().startswith("//") else line for line in js.split("\n"))
+    """Return the script as the page serves it: without comments and without indentation
+    (the comments are for whoever reads web/; the page is a third smaller gzipped). Lines
+    stay where they were (a comment's lines are left empty), so an error's line in the page
+    is a line of the sources' order; a line that begins or ends inside a string or a
+    template literal keeps its spaces. node --check and the no-undef lint run on the
+    result."""
+    kept, comments = scan_script(js)
+    parts, at = [], 0
+    for start, end in comments:  # a block comment on one line becomes a space
+        block = js.startswith("/*", start)
+        parts += [js[at:start], "\n" * js.count("\n", start, end) or " " * block]
+        at = end
+    lines = "".join([*parts, js[at:]]).split("\n")
+    return "\n".join(
+        line if i in kept else line.lstrip() if i + 1 in kept else line.strip()
+        for i, line in enumerate(lines)
+    )
+
+
+def lean_css(css: str) -> str:
+    """Return a style sheet as the page serves it: without comments and indentation, each
+    line where it was (a comment's lines are left empty)."""
+    css = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group().count("\n"), css, flags=re.S)
+    return "\n".join(line.strip() for line in css.split("\n"))
 
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# transfer.js, offline.js, and last main.js, where the page starts (the files before it
+# people.js, transfer.js, offline.js, and last main.js, where the page starts (the files before it
 # only define).
 WEB_JS = "".join(
     (
@@ -82,12 +192,14 @@ WEB_JS = "".join(
         WEB_JS_REST,
         WEB_GRANTS_JS,
         WEB_DEVICES_JS,
+        WEB_PEOPLE_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
         WEB_MAIN_JS,
     )
 )
-WEB_JS = lean_script(WEB_JS)  # as served: without the comment lines
+WEB_JS = lean_script(WEB_JS)  # as served: without the comment lines and indentation
+WEB_CSS = lean_css(WEB_CSS)  # as served: without comments and indentation
 
 WEB_PAGE = web_source("app.html")
 

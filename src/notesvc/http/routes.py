@@ -116,6 +116,7 @@ from notesvc.notes.paths import (
     ATTACHMENT_FOLDER_SCHEMA,
     ATTACHMENT_PATH_PARAM,
     ATTACHMENT_PATH_SCHEMA,
+    FOLDER_NAME_SCHEMA,
     FOLDER_PATH_PARAM,
     FOLDER_PATH_SCHEMA,
     MAX_PATH_CHARS,
@@ -166,6 +167,16 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 _STR = {"type": "string"}
 _NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
+_HOME = {  # a folder below notes/, never notes/ itself
+    **_FOLDER_PATH,
+    "minLength": 7,
+    "pattern": _FOLDER_PATH["pattern"].replace(")*/?$", ")+/?$"),
+    "examples": ["notes/Ann"],
+}
+_SUBFOLDER_PARAM = {
+    **FOLDER_PATH_PARAM,
+    "pattern": FOLDER_PATH_PARAM["pattern"].replace(")*/?$", ")+/?$"),
+}
 _VERSION_ID = {
     "type": "string",
     "pattern": json_pattern(VERSION_ID_RE),
@@ -1075,8 +1086,8 @@ ROUTES = (
         "device, shown once",
         body=_obj(
             ["name"],
-            name={**_STR, "minLength": 1, "maxLength": 64, "pattern": NOT_BLANK_PATTERN},
-            home=_FOLDER_PATH,
+            name=FOLDER_NAME_SCHEMA,
+            home=_HOME,
         ),
         status=201,
         tag="people",
@@ -1096,7 +1107,7 @@ ROUTES = (
         "/people/<person_id>",
         rename_person,
         summary="Rename a person (their home keeps its name)",
-        body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 64}),
+        body=_obj(["name"], name=FOLDER_NAME_SCHEMA),
         tag="people",
         scope="admin",
     ),
@@ -1131,7 +1142,7 @@ ROUTES = (
         get_members,
         summary="Who a folder is shared with: its own members, then those of the folders "
         "above it (inherited)",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": _SUBFOLDER_PARAM},
         tag="people",
         scope="read",
     ),
@@ -1141,7 +1152,7 @@ ROUTES = (
         put_members,
         summary="Share a folder: replace its members (the owner any folder, a person one of "
         "their home)",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": _SUBFOLDER_PARAM},
         body=_obj(
             ["members"],
             members={
