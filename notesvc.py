@@ -59,10 +59,22 @@ data flows, each with the first line of its docstring:
   transfer/plan.py        Imports: the plan, its bounds, and writing it through the stores.
   transfer/formats.py     The importers: folders (Obsidian, Notion), Keep, Evernote, Joplin.
   transfer/export.py      Export: a zip of everything a key sees.
+  passthrough/wire.py     What passthrough reads on the wire: ClientHellos' SNI, PROXY headers,
+                          certificate names.
+  passthrough/dns.py      The relay's DNS: authoritative for its domain (UDP, TCP), or RFC 2136
+                          updates with TSIG.
+  passthrough/acme.py     The server's certificate for <id>.D: ACME (RFC 8555) by DNS-01 through its
+                          relay, kept.
+  passthrough/front.py    The relay's TLS port: ClientHellos read for their name, spliced to servers
+                          that dial in.
+  passthrough/server.py   The home server's side of passthrough: dials, TLS in process, spliced
+                          waitress channels.
   audit.py                The security audit: AUDIT_CHECKS and the score.
   web.py                  The web client: one self-contained page, served by servers and relays
                           alike.
   relay.py                The relay (`notesvc relay`, on asyncio) and the server's RelayClient.
+  relay_client.py         The server's link to its relay: RelayClient registers, long-polls,
+                          answers, dials in.
   http/route.py           The Route record; conditional GET and byte ranges (attachments and WebDAV
                           share them).
   http/api.py             Handlers of the notes API: system, auth, notes, attachments, folders,
@@ -185,8 +197,10 @@ import random
 import re
 import secrets
 import select
+import selectors
 import shutil
 import socket
+import ssl
 import stat
 import struct
 import subprocess
@@ -195,15 +209,17 @@ import tempfile
 import threading
 import time
 import unicodedata
+import urllib.error
 import urllib.parse
+import urllib.request
 import uuid
 import weakref
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Mapping, Sequence, Sized
 from operator import mul
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, ClassVar
 
 try:
     import bottle  # noqa: F401 - the modules import it from here
@@ -374,6 +390,44 @@ def _domain(raw: str) -> str:
     return name
 
 
+def _host_port(raw: str) -> str:
+    """Parse host:port ([v6]:port) of a DNS server (SERVICE_RELAY_DNS_UPDATE); "" is none."""
+    raw = raw.strip()
+    if not raw:
+        return ""
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{raw!r} is not host:port (e.g. 127.0.0.1:53)")
+    return raw
+
+
+def _addresses(raw: str) -> tuple:
+    """Parse a comma-separated list of IP addresses (SERVICE_RELAY_DNS_ADDRESSES)."""
+    found = []
+    for item in raw.split(","):
+        item = item.strip().strip("[]")
+        if item:
+            try:
+                found.append(str(ipaddress.ip_address(item)))
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address") from None
+    return tuple(found)
+
+
+def _tsig(raw: str) -> str:
+    """Parse SERVICE_RELAY_DNS_TSIG: <key name>:<base64 HMAC-SHA256 secret>."""
+    raw = raw.strip()
+    if raw:
+        name, sep, secret = raw.partition(":")
+        try:
+            key = base64.b64decode(secret.strip(), validate=True)
+        except ValueError:
+            key = b""
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]{1,250}", name) or len(key) < 16:
+            raise ValueError("give it as <key name>:<base64 secret of at least 16 bytes>")
+    return raw
+
+
 def _origins(raw: str) -> tuple:
     origins = tuple(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
     for origin in origins:
@@ -496,6 +550,32 @@ SETTINGS = (
         "relay or open-port",
     ),
     Setting("relay_url", "SERVICE_RELAY_URL", "--relay-url", "", _url, "relay address"),
+    Setting(
+        "relay_passthrough",
+        "SERVICE_RELAY_PASSTHROUGH",
+        "",
+        "auto",
+        _choice("auto", "off"),
+        "auto: when the relay offers it, TLS ends on this server (a certificate for "
+        "<serverId>.<domain> by ACME); off: never",
+    ),
+    Setting(
+        "acme_directory",
+        "SERVICE_ACME_DIRECTORY",
+        "",
+        "https://acme-v02.api.letsencrypt.org/directory",
+        _url,
+        "the ACME CA's directory for that certificate",
+    ),
+    Setting("acme_email", "SERVICE_ACME_EMAIL", "", "", _text, "contact for the ACME account"),
+    Setting(
+        "acme_ca_file",
+        "SERVICE_ACME_CA_FILE",
+        "",
+        "",
+        _text,
+        "a CA file to trust for the ACME directory's own HTTPS (a test CA)",
+    ),
     Setting("client_url", "SERVICE_CLIENT_URL", "", "", _url, "links.connect.hosted base"),
     Setting("test_client_url", "SERVICE_TEST_CLIENT_URL", "", "", _url, "links.connect.testHosted"),
     Setting("agent_provider", "SERVICE_AGENT_PROVIDER", "", "local", _text, "agent provider"),
@@ -645,6 +725,68 @@ SETTINGS = (
         "64",
         _int_range(1, 100000),
         "relay role: idle connections kept per client address (the oldest closed first)",
+    ),
+    Setting(
+        "relay_tls",
+        "SERVICE_RELAY_TLS",
+        "",
+        "off",
+        _choice("off", "passthrough"),
+        "relay role: passthrough: splice <serverId>.<domain> to its server by SNI, TLS ending "
+        "there (needs SERVICE_RELAY_DOMAIN)",
+    ),
+    Setting(
+        "relay_tls_port",
+        "SERVICE_RELAY_TLS_PORT",
+        "",
+        "443",
+        _port,
+        "relay role: the TLS port of passthrough (may be the HTTP port: told apart by the "
+        "first byte)",
+    ),
+    Setting(
+        "relay_tls_cert",
+        "SERVICE_RELAY_TLS_CERT",
+        "",
+        "",
+        _text,
+        "relay role: the relay's own certificate (PEM chain) for <domain>, and *.<domain> to "
+        "terminate servers not in passthrough",
+    ),
+    Setting("relay_tls_key", "SERVICE_RELAY_TLS_KEY", "", "", _text, "relay role: its private key"),
+    Setting(
+        "relay_dns_port",
+        "SERVICE_RELAY_DNS_PORT",
+        "",
+        "53",
+        _port,
+        "relay role: the port of its DNS for <domain> (UDP and TCP), with passthrough",
+    ),
+    Setting(
+        "relay_dns_addresses",
+        "SERVICE_RELAY_DNS_ADDRESSES",
+        "",
+        "",
+        _addresses,
+        "relay role: the A/AAAA answers for <domain> and *.<domain> (default: SERVICE_HOST "
+        "when it is one address, else this machine's default-route address)",
+    ),
+    Setting(
+        "relay_dns_update",
+        "SERVICE_RELAY_DNS_UPDATE",
+        "",
+        "",
+        _host_port,
+        "relay role: host:port of a DNS server to set challenge records in by RFC 2136 "
+        "updates, instead of answering DNS itself",
+    ),
+    Setting(
+        "relay_dns_tsig_secret",
+        "SERVICE_RELAY_DNS_TSIG",
+        "",
+        "",
+        _tsig,
+        "relay role: the TSIG key of those updates, <key name>:<base64 HMAC-SHA256 secret>",
     ),
     Setting(
         "pairing_ttl",
@@ -797,6 +939,10 @@ class Config:
     setup_window: int
     pairing: str
     relay_url: str
+    relay_passthrough: str
+    acme_directory: str
+    acme_email: str
+    acme_ca_file: str
     client_url: str
     test_client_url: str
     agent_provider: str
@@ -828,6 +974,14 @@ class Config:
     relay_registrations_per_minute: int
     relay_domain: str
     relay_max_idle_per_address: int
+    relay_tls: str
+    relay_tls_port: int
+    relay_tls_cert: str
+    relay_tls_key: str
+    relay_dns_port: int
+    relay_dns_addresses: tuple
+    relay_dns_update: str
+    relay_dns_tsig_secret: str
     pairing_ttl: int
     device_idle_days: int
     max_attachment_bytes: int
@@ -882,6 +1036,10 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
             f"{values['threads']} SERVICE_THREADS to other requests; use at most "
             f"{values['threads'] - 1}"
         )
+    if values["relay_tls"] == "passthrough" and not values["relay_domain"]:
+        raise ConfigError("SERVICE_RELAY_TLS: passthrough needs SERVICE_RELAY_DOMAIN")
+    if values["relay_dns_update"] and not values["relay_dns_tsig_secret"]:
+        raise ConfigError("SERVICE_RELAY_DNS_TSIG: SERVICE_RELAY_DNS_UPDATE is set: give its key")
     values["root"] = values["root"].resolve()
     return Config(**values)
 
@@ -22431,6 +22589,2375 @@ def _zip_chunks(zipfile, out, root, principal, progress, still):
     yield out.take()
 
 
+# == src/notesvc/passthrough/wire.py ==========================================
+# What passthrough reads on the wire: ClientHellos' SNI, PROXY headers, certificate names.
+
+# -- ClientHello -----------------------------------------------------------------------
+#
+# A TLS record: type (22: handshake), version (3, x), length (1..16384), then the
+# fragment; a handshake message may span many records (RFC 8446 5.1), so the fragments
+# are joined until the ClientHello's own length is there. Nothing else is accepted before
+# it: no SNI, several names, an IP literal or a name no DNS could hold close the
+# connection (RFC 6066 3: a host name, never an address).
+
+TLS_HANDSHAKE = 22
+MAX_HELLO_BYTES = 16384  # a ClientHello larger than this (post-quantum key shares: ~1.8 KB)
+MAX_HELLO_RAW = 65536  # bytes read for one, records' headers included (1-byte fragments)
+_SNI_LABEL_RE = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\Z")
+
+
+class HelloError(ValueError):
+    """What a ClientHello lacks or holds that the relay will not splice: its words."""
+
+
+def client_hello_sni(data: bytes) -> tuple | None:
+    """Return (bytes of the records that hold the whole ClientHello, the server name it
+    asks for, lower case) once `data` holds it; None while more bytes are needed.
+
+    Raises HelloError for anything else: another record type, a malformed or oversized
+    message, no server name, several, an IP literal or a name that is not a host name.
+    """
+    handshake = bytearray()
+    at = 0
+    while True:
+        if len(data) - at < 5:
+            if len(data) >= MAX_HELLO_RAW:
+                raise HelloError("the ClientHello is spread over too many bytes")
+            return None
+        kind, major, minor, length = struct.unpack_from("!BBBH", data, at)
+        if kind != TLS_HANDSHAKE:
+            raise HelloError("not a TLS handshake record")
+        if major != 3 or minor > 4 or not 0 < length <= 16384:
+            raise HelloError("a malformed TLS record")
+        if len(data) - at - 5 < length:
+            if at + 5 + length > MAX_HELLO_RAW:
+                raise HelloError("the ClientHello is spread over too many bytes")
+            return None
+        handshake += data[at + 5 : at + 5 + length]
+        at += 5 + length
+        if len(handshake) >= 4:
+            if handshake[0] != 1:
+                raise HelloError("the first handshake message is not a ClientHello")
+            size = int.from_bytes(handshake[1:4], "big")
+            if size > MAX_HELLO_BYTES:
+                raise HelloError(f"the ClientHello is over {MAX_HELLO_BYTES} bytes")
+            if len(handshake) >= 4 + size:
+                return at, _hello_server_name(bytes(handshake[4 : 4 + size]))
+
+
+def _hello_server_name(body: bytes) -> str:
+    """Return the one host name a ClientHello's body asks for (see client_hello_sni)."""
+    try:
+        at = 2 + 32  # legacy_version, random
+        at += 1 + body[at]  # legacy_session_id
+        suites = int.from_bytes(body[at : at + 2], "big")
+        if suites < 2 or suites % 2:
+            raise HelloError("a ClientHello without cipher suites")
+        at += 2 + suites
+        at += 1 + body[at]  # legacy_compression_methods
+    except IndexError:
+        raise HelloError("a truncated ClientHello") from None
+    if at > len(body):
+        raise HelloError("a truncated ClientHello")
+    if at == len(body):
+        raise HelloError("no server name (SNI): the relay splices by name")
+    total = int.from_bytes(body[at : at + 2], "big")
+    at += 2
+    if at + total != len(body):
+        raise HelloError("the ClientHello's extensions do not fill it")
+    names, seen = [], set()
+    while at < len(body):
+        if at + 4 > len(body):
+            raise HelloError("a truncated extension")
+        kind, size = struct.unpack_from("!HH", body, at)
+        at += 4
+        if at + size > len(body):
+            raise HelloError("a truncated extension")
+        if kind in seen:
+            raise HelloError("an extension given twice")
+        seen.add(kind)
+        if kind == 0:
+            names = _sni_names(body[at : at + size])
+        at += size
+    if not names:
+        raise HelloError("no server name (SNI): the relay splices by name")
+    if len(names) > 1:
+        raise HelloError("several server names in one ClientHello")
+    return host_name_of(names[0])
+
+
+def _sni_names(ext: bytes) -> list:
+    """Return the host_name entries of a server_name extension (RFC 6066 3)."""
+    if len(ext) < 2 or int.from_bytes(ext[:2], "big") != len(ext) - 2:
+        raise HelloError("a malformed server_name extension")
+    names, at = [], 2
+    while at < len(ext):
+        if at + 3 > len(ext):
+            raise HelloError("a malformed server_name extension")
+        kind, size = ext[at], int.from_bytes(ext[at + 1 : at + 3], "big")
+        at += 3
+        if at + size > len(ext) or size == 0:
+            raise HelloError("a malformed server_name extension")
+        if kind == 0:
+            names.append(ext[at : at + size])
+        at += size
+    return names
+
+
+def host_name_of(raw: bytes) -> str:
+    """Return a server name as the relay compares it (lower case, no final dot).
+
+    Raises HelloError for an IP literal, or a name that is not ASCII letters, digits,
+    hyphens and underscores in labels of 1-63 within 253 bytes.
+    """
+    if len(raw) > 254:
+        raise HelloError("the server name is over 253 bytes")
+    try:
+        name = raw.decode("ascii").lower()
+    except UnicodeDecodeError:
+        raise HelloError("the server name is not ASCII") from None
+    name = name[:-1] if name.endswith(".") else name
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        pass
+    else:
+        raise HelloError("the server name is an IP literal")
+    if not name or len(name) > 253 or not all(_SNI_LABEL_RE.match(p) for p in name.split(".")):
+        raise HelloError("the server name is not a host name")
+    return name
+
+
+# -- PROXY protocol ----------------------------------------------------------------------
+#
+# Version 2 (binary) is what the relay writes before a client's bytes on a data
+# connection: the client's address and port, and the address it connected to. The relay
+# reads version 1 or 2 from a proxy SERVICE_TRUST_PROXY names (nginx's `proxy_protocol
+# on` writes version 1).
+
+PROXY_V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
+PROXY_V1_MAX = 107  # "PROXY TCP6 <39> <39> 65535 65535\r\n"
+
+
+def proxy_v2_header(client: tuple, local: tuple) -> bytes:
+    """Return a PROXY v2 header (command PROXY, stream) for a client's (address, port) that
+    connected to `local` (address, port); IPv4 in IPv6 when one of the two is IPv6."""
+    src, dst = ipaddress.ip_address(client[0]), ipaddress.ip_address(local[0])
+    if src.version == dst.version == 4:
+        family, body = 0x11, src.packed + dst.packed
+    else:
+        six = [a if a.version == 6 else ipaddress.IPv6Address(f"::ffff:{a}") for a in (src, dst)]
+        family, body = 0x21, six[0].packed + six[1].packed
+    body += struct.pack("!HH", int(client[1]), int(local[1]))
+    return PROXY_V2_SIGNATURE + struct.pack("!BBH", 0x21, family, len(body)) + body
+
+
+def parse_proxy_header(data: bytes) -> tuple | None:
+    """Return (its length in bytes, the client's (address, port) or None for LOCAL and
+    UNKNOWN) of a PROXY v1 or v2 header at the start of `data`; None while more is needed.
+
+    Raises ValueError for anything that is not such a header.
+    """
+    if data[:1] == b"\r":
+        if len(data) < 16:
+            if not PROXY_V2_SIGNATURE.startswith(data[:12]):
+                raise ValueError("not a PROXY header")
+            return None
+        if data[:12] != PROXY_V2_SIGNATURE or data[12] >> 4 != 2:
+            raise ValueError("not a PROXY v2 header")
+        command, family, size = data[12] & 0xF, data[13], int.from_bytes(data[14:16], "big")
+        if len(data) < 16 + size:
+            return None
+        body = data[16 : 16 + size]
+        if command == 0:  # LOCAL: the proxy's own connection (a health check)
+            return 16 + size, None
+        if command != 1:
+            raise ValueError("an unknown PROXY v2 command")
+        if family == 0x11 and size >= 12:
+            port = int.from_bytes(body[8:10], "big")
+            return 16 + size, (str(ipaddress.IPv4Address(body[:4])), port)
+        if family == 0x21 and size >= 36:
+            ip = ipaddress.IPv6Address(body[:16])
+            text = str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
+            return 16 + size, (text, int.from_bytes(body[32:34], "big"))
+        if family == 0:
+            return 16 + size, None
+        raise ValueError("a PROXY v2 header of an unknown family")
+    if not b"PROXY ".startswith(data[:6]):
+        raise ValueError("not a PROXY header")
+    end = data.find(b"\r\n", 0, PROXY_V1_MAX)
+    if end < 0:
+        if len(data) >= PROXY_V1_MAX:
+            raise ValueError("a PROXY v1 header over 107 bytes")
+        return None
+    words = data[:end].decode("ascii", "replace").split(" ")
+    if words[1:2] == ["UNKNOWN"]:
+        return end + 2, None
+    if len(words) != 6 or words[1] not in ("TCP4", "TCP6"):
+        raise ValueError("a malformed PROXY v1 header")
+    ip = ipaddress.ip_address(words[2])
+    if (ip.version == 4) != (words[1] == "TCP4") or not words[4].isdigit():
+        raise ValueError("a malformed PROXY v1 header")
+    return end + 2, (str(ip), int(words[4]))
+
+
+def socket_address(sock: socket.socket, peer: bool) -> tuple:
+    """Return (address, port) of a socket's peer or own end ("0.0.0.0", 0 if unknown),
+    IPv4-mapped IPv6 unwrapped."""
+    try:
+        addr = sock.getpeername() if peer else sock.getsockname()
+    except OSError:
+        return "0.0.0.0", 0
+    if not isinstance(addr, tuple):  # a Unix socket
+        return "0.0.0.0", 0
+    host = addr[0]
+    if host.startswith("::ffff:") and "." in host:
+        host = host[7:]
+    return host, addr[1]
+
+
+# -- certificate names ------------------------------------------------------------------
+#
+# The relay's own certificate for D may cover *.D as well: it then terminates <id>.D for
+# a server that is not in passthrough mode (its per-server origin) instead of closing it.
+# The DNS names come from the subjectAltName extension, read from the DER with the
+# standard library (no cryptography package on a relay).
+
+_SAN_OID = bytes.fromhex("0603551d11")  # OBJECT IDENTIFIER 2.5.29.17
+
+
+def _der(data: bytes, at: int) -> tuple:
+    """Return (tag, start of its contents, end) of the DER element at `at`."""
+    tag, size = data[at], data[at + 1]
+    at += 2
+    if size & 0x80:
+        count = size & 0x7F
+        size = int.from_bytes(data[at : at + count], "big")
+        at += count
+    if at + size > len(data):
+        raise ValueError("a truncated DER element")
+    return tag, at, at + size
+
+
+def _der_children(data: bytes, start: int, end: int) -> list:
+    children = []
+    while start < end:
+        tag, body, stop = _der(data, start)
+        children.append((tag, body, stop, start))
+        start = stop
+    return children
+
+
+def certificate_names(pem: str) -> list:
+    """Return the DNS names (subjectAltName) of the first certificate in PEM text; []
+    when there is none or it cannot be read."""
+    return certificate_facts(pem).get("names", [])
+
+
+_CN_OID = bytes.fromhex("0603550403")  # 2.5.4.3 commonName
+_ORG_OID = bytes.fromhex("060355040a")  # 2.5.4.10 organizationName
+
+
+def _der_time(der: bytes, tag: int, start: int, end: int) -> float:
+    """Return a UTCTime (tag 23) or GeneralizedTime (24) as seconds since the epoch."""
+    text = der[start:end].decode("ascii").rstrip("Z")
+    if tag == 23:
+        text = ("19" if int(text[:2]) >= 50 else "20") + text
+    moment = dt.datetime.strptime(text[:14], "%Y%m%d%H%M%S")
+    return moment.replace(tzinfo=dt.timezone.utc).timestamp()
+
+
+def certificate_facts(pem: str) -> dict:
+    """Return {names, notBefore, notAfter, issuer} of the first certificate in PEM text
+    (times as seconds since the epoch, the issuer's CN or O); {} when there is none or it
+    cannot be read. Standard library only: a relay, and `audit`, read certificates
+    without the cryptography package."""
+    m = re.search(r"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", pem, re.S)
+    if not m:
+        return {}
+    try:
+        der = base64.b64decode("".join(m.group(1).split()))
+        _tag, body, _end = _der(der, 0)
+        _tag, tbs, tbs_end = _der(der, body)
+        parts = _der_children(der, tbs, tbs_end)
+        if parts[0][0] == 0xA0:  # [0] version: the fields after it move up one
+            parts = parts[1:]
+        facts: dict = {"names": [], "issuer": _der_name_text(der, parts[2])}
+        times = _der_children(der, parts[3][1], parts[3][2])
+        facts["notBefore"] = _der_time(der, *times[0][:3])
+        facts["notAfter"] = _der_time(der, *times[1][:3])
+        for tag, inner, _stop, _ in parts:
+            if tag != 0xA3:  # [3] extensions
+                continue
+            _tag, exts, exts_end = _der(der, inner)
+            for _t, ext, ext_end, _s in _der_children(der, exts, exts_end):
+                fields = _der_children(der, ext, ext_end)
+                if der[fields[0][3] : fields[0][2]] != _SAN_OID:
+                    continue
+                _tag, value, _e = _der(der, fields[-1][3])  # the OCTET STRING's contents
+                _tag, names, names_end = _der(der, value)
+                facts["names"] = [
+                    der[b:e].decode("ascii", "replace").lower()
+                    for t, b, e, _s in _der_children(der, names, names_end)
+                    if t == 0x82  # [2] dNSName
+                ]
+        return facts
+    except (ValueError, IndexError):
+        return {}
+
+
+def _der_name_text(der: bytes, name: tuple) -> str:
+    """Return a Name's commonName, else its organizationName ("" without either)."""
+    found = {}
+    for _t, rdn, rdn_end, _s in _der_children(der, name[1], name[2]):
+        for _t2, pair, pair_end, _s2 in _der_children(der, rdn, rdn_end):
+            oid, value = _der_children(der, pair, pair_end)[:2]
+            found[der[oid[3] : oid[2]]] = der[value[1] : value[2]].decode("utf-8", "replace")
+    return found.get(_CN_OID) or found.get(_ORG_OID) or ""
+
+
+# == src/notesvc/passthrough/dns.py ===========================================
+# The relay's DNS: authoritative for its domain (UDP, TCP), or RFC 2136 updates with TSIG.
+
+# record types and classes (RFC 1035, 3596, 6891, 8945)
+DNS_A, DNS_NS, DNS_SOA, DNS_HINFO, DNS_TXT, DNS_AAAA = 1, 2, 6, 13, 16, 28
+DNS_OPT, DNS_TSIG, DNS_IXFR, DNS_AXFR, DNS_ANY = 41, 250, 251, 252, 255
+DNS_IN, DNS_CLASS_NONE, DNS_CLASS_ANY = 1, 254, 255
+# response codes
+NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP, REFUSED, NOTAUTH = 0, 1, 2, 3, 4, 5, 9
+OPCODE_QUERY, OPCODE_UPDATE = 0, 5
+
+DNS_MAX_QUERY = 4096  # bytes of a query, over UDP or TCP (a real one is under 300)
+DNS_UDP_PLAIN = 512  # an answer's largest size over UDP without EDNS
+DNS_UDP_EDNS = 1232  # ... and with it, at most (DNS flag day 2020)
+DNS_TCP_SECONDS = 10.0  # a TCP query's bytes must all come within this
+DNS_TCP_MAX = 256  # TCP connections at once (the oldest closed first)
+CHALLENGE_TTL = 600.0  # seconds a challenge record is kept at most
+CHALLENGE_MAX_VALUES = 4
+CHALLENGE_MAX_BYTES = 255
+TTL_ADDRESS, TTL_ZONE, TTL_CHALLENGE, TTL_NEGATIVE = 300, 3600, 60, 60
+
+
+class DnsError(ValueError):
+    """A message the DNS code will not read: `rcode` is what it answers (FORMERR...)."""
+
+    def __init__(self, message: str, rcode: int = FORMERR):
+        super().__init__(message)
+        self.rcode = rcode
+
+
+# -- names and messages --------------------------------------------------------------------
+
+
+def encode_name(name: str) -> bytes:
+    """Return a DNS name in wire form (no compression); "" or "." is the root."""
+    out = bytearray()
+    for label in name.rstrip(".").split(".") if name.strip(".") else []:
+        raw = label.encode("ascii")
+        if not 0 < len(raw) < 64:
+            raise DnsError(f"a label of {len(raw)} bytes")
+        out += bytes([len(raw)]) + raw
+    if len(out) + 1 > 255:
+        raise DnsError("a name over 255 bytes")
+    return bytes(out) + b"\0"
+
+
+def read_name(data: bytes, at: int) -> tuple:
+    """Return (the name at `at`, as text in its own case, the offset after it), following
+    compression pointers (backwards only, so no loop). Raises DnsError when malformed."""
+    labels, end, seen, size = [], None, 0, 0
+    while True:
+        if at >= len(data):
+            raise DnsError("a truncated name")
+        length = data[at]
+        if length & 0xC0 == 0xC0:
+            if at + 1 >= len(data):
+                raise DnsError("a truncated name")
+            target = ((length & 0x3F) << 8) | data[at + 1]
+            if end is None:
+                end = at + 2
+            if target >= at or seen > 127:
+                raise DnsError("a compression pointer that does not point back")
+            at, seen = target, seen + 1
+            continue
+        if length & 0xC0:
+            raise DnsError("an unknown label type")
+        at += 1
+        if length == 0:
+            return ".".join(labels), end if end is not None else at
+        if at + length > len(data):
+            raise DnsError("a truncated label")
+        size += length + 1
+        if size > 254:
+            raise DnsError("a name over 255 bytes")
+        labels.append(data[at : at + length].decode("latin-1"))
+        at += length
+
+
+@dataclasses.dataclass
+class DnsQuery:
+    id: int
+    flags: int
+    name: str  # as asked (its case kept: DNS 0x20), no final dot
+    qtype: int
+    qclass: int
+    question: bytes  # the question's bytes, echoed in the answer
+    edns: int | None  # the asker's UDP size when it sent an OPT record, else None
+    edns_version: int = 0
+
+    @property
+    def opcode(self) -> int:
+        return (self.flags >> 11) & 0xF
+
+
+def parse_query(data: bytes) -> DnsQuery:
+    """Return the query in a DNS message. Raises DnsError (FORMERR, NOTIMP) for a message
+    that is no single question, or that says it is an answer (rcode -1: dropped)."""
+    if len(data) < 12:
+        raise DnsError("a message shorter than its header", -1)
+    ident, flags, qd, an, ns, ar = struct.unpack_from("!HHHHHH", data)
+    if flags & 0x8000:
+        raise DnsError("an answer, not a query", -1)
+    if len(data) > DNS_MAX_QUERY:
+        raise DnsError(f"a query over {DNS_MAX_QUERY} bytes")
+    opcode = (flags >> 11) & 0xF
+    if opcode != OPCODE_QUERY:
+        raise DnsError("only queries are answered here", NOTIMP)
+    if qd != 1 or an or ns:
+        raise DnsError("a query asks exactly one question")
+    name, at = read_name(data, 12)
+    if at + 4 > len(data):
+        raise DnsError("a truncated question")
+    qtype, qclass = struct.unpack_from("!HH", data, at)
+    question = data[12 : at + 4]
+    at += 4
+    edns, version = None, 0
+    for _ in range(ar):
+        _rname, at = read_name(data, at)
+        if at + 10 > len(data):
+            raise DnsError("a truncated record")
+        rtype, rclass, ttl, size = struct.unpack_from("!HHIH", data, at)
+        at += 10 + size
+        if at > len(data):
+            raise DnsError("a truncated record")
+        if rtype == DNS_OPT:
+            if edns is not None:
+                raise DnsError("two OPT records")
+            edns, version = max(DNS_UDP_PLAIN, rclass), (ttl >> 16) & 0xFF
+    return DnsQuery(ident, flags, name, qtype, qclass, question, edns, version)
+
+
+def _record(owner: bytes, rtype: int, ttl: int, rdata: bytes, rclass: int = DNS_IN) -> bytes:
+    return owner + struct.pack("!HHIH", rtype, rclass, ttl, len(rdata)) + rdata
+
+
+def txt_rdata(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return bytes([len(raw)]) + raw
+
+
+# -- the zone ------------------------------------------------------------------------------
+
+
+class ChallengeRecords:
+    """The `TXT _acme-challenge.<id>.D` values each server set, each gone after
+    CHALLENGE_TTL (one event loop, no lock)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.values: dict = {}  # server id -> (values, monotonic time they go)
+        self.changed = int(time.time())
+
+    def set(self, server_id: str, values: list) -> None:
+        self._expire()
+        if server_id not in self.values and len(self.values) >= self.limit:
+            raise DnsError("the relay holds its maximum of challenge records", REFUSED)
+        self.values[server_id] = (tuple(values), time.monotonic() + CHALLENGE_TTL)
+        self.changed = max(self.changed + 1, int(time.time()))
+
+    def clear(self, server_id: str) -> None:
+        if self.values.pop(server_id, None) is not None:
+            self.changed = max(self.changed + 1, int(time.time()))
+
+    def get(self, server_id: str) -> tuple:
+        entry = self.values.get(server_id)
+        if entry is None or entry[1] < time.monotonic():
+            self.values.pop(server_id, None)
+            return ()
+        return entry[0]
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for sid in [s for s, (_v, until) in self.values.items() if until < now]:
+            del self.values[sid]
+
+
+class DnsZone:
+    """The answers for one domain (see this module's docstring)."""
+
+    def __init__(self, domain: str, addresses: tuple, challenges: ChallengeRecords):
+        self.domain, self.challenges = domain.lower(), challenges
+        self.v4 = [ipaddress.ip_address(a).packed for a in addresses if ":" not in a]
+        self.v6 = [ipaddress.ip_address(a.strip("[]")).packed for a in addresses if ":" in a]
+
+    def soa_rdata(self) -> bytes:
+        # mname ns.D, rname hostmaster.D, serial, refresh, retry, expire, minimum (the
+        # negative TTL: short, so a challenge set after a miss is seen within a minute)
+        serial = self.challenges.changed & 0xFFFFFFFF
+        return (
+            encode_name(f"ns.{self.domain}")
+            + encode_name(f"hostmaster.{self.domain}")
+            + struct.pack("!IIIII", serial, 3600, 600, 604800, TTL_NEGATIVE)
+        )
+
+    def answer(self, query: DnsQuery, limit: int | None) -> bytes:
+        """Return the answer to a query; `limit`: the largest size it may have (UDP), None
+        over TCP."""
+        rcode, answers, authority, additional = self._lookup(query)
+        flags = 0x8000 | (query.flags & 0x0100)  # QR, RD copied; AA when authoritative
+        if rcode in (NOERROR, NXDOMAIN):
+            flags |= 0x0400
+        opt = b""
+        if query.edns is not None:
+            ext = 0
+            if query.edns_version != 0:  # BADVERS: extended rcode 16 = (1 << 4) | 0
+                rcode, answers, authority, additional, ext = NOERROR, [], [], [], 1
+            opt = b"\0" + struct.pack("!HHIH", DNS_OPT, DNS_UDP_EDNS, ext << 24, 0)
+        sections = (answers, authority, [*additional, opt] if opt else additional)
+        head = struct.pack("!HHHHHH", query.id, flags | rcode, 1, *(len(s) for s in sections))
+        message = head + query.question + b"".join(b"".join(s) for s in sections)
+        if limit is not None and len(message) > limit:  # cut to the question: TC, come by TCP
+            counts = struct.pack("!HHHH", 1, 0, 0, 1 if opt else 0)
+            message = (
+                struct.pack("!HH", query.id, flags | 0x0200 | rcode) + counts + query.question + opt
+            )
+        return message
+
+    def _lookup(self, query: DnsQuery) -> tuple:
+        """Return (rcode, answer, authority and additional records) for a query."""
+        name = query.name.lower().rstrip(".")
+        domain = self.domain
+        if name != domain and not name.endswith("." + domain):
+            return REFUSED, [], [], []
+        if query.qclass not in (DNS_IN, DNS_CLASS_ANY):
+            return REFUSED, [], [], []
+        if query.qtype in (DNS_AXFR, DNS_IXFR, DNS_OPT, DNS_TSIG):
+            return REFUSED, [], [], []
+        labels = name[: -len(domain)].rstrip(".").split(".") if name != domain else []
+        own = b"\xc0\x0c"  # the question's name
+        soa = _record(encode_name(domain), DNS_SOA, TTL_NEGATIVE, self.soa_rdata())
+        records: dict = {}  # type -> (ttl, [rdata])
+        if len(labels) <= 1:
+            records[DNS_A] = (TTL_ADDRESS, self.v4)
+            records[DNS_AAAA] = (TTL_ADDRESS, self.v6)
+        if not labels:
+            records[DNS_SOA] = (TTL_ZONE, [self.soa_rdata()])
+            records[DNS_NS] = (TTL_ZONE, [encode_name(f"ns.{domain}")])
+        if len(labels) == 2 and labels[0] == "_acme-challenge":
+            values = self.challenges.get(labels[1])
+            if not values:
+                return NXDOMAIN, [], [soa], []
+            records[DNS_TXT] = (TTL_CHALLENGE, [txt_rdata(v) for v in values])
+        elif len(labels) > 1:
+            return NXDOMAIN, [], [soa], []
+        qtype = query.qtype
+        if qtype == DNS_ANY:  # RFC 8482 4.2: one synthesised HINFO, not everything
+            if DNS_TXT in records:
+                qtype = DNS_TXT
+            else:
+                hinfo = b"\x07RFC8482\x00"
+                return NOERROR, [_record(own, DNS_HINFO, TTL_ADDRESS, hinfo)], [], []
+        ttl, rdatas = records.get(qtype, (0, []))
+        if not rdatas:
+            return NOERROR, [], [soa], []
+        answers = [_record(own, qtype, ttl, r) for r in rdatas]
+        additional = []
+        if qtype == DNS_NS:
+            glue = encode_name(f"ns.{domain}")
+            additional = [_record(glue, DNS_A, TTL_ADDRESS, a) for a in self.v4]
+            additional += [_record(glue, DNS_AAAA, TTL_ADDRESS, a) for a in self.v6]
+        return NOERROR, answers, [], additional
+
+
+def dns_reply(zone: DnsZone, data: bytes, udp: bool) -> bytes | None:
+    """Return the answer to a message (None: nothing to answer, e.g. a stray answer);
+    over UDP cut to 512 bytes, or to the EDNS size asked (at most DNS_UDP_EDNS)."""
+    try:
+        query = parse_query(data)
+    except DnsError as e:
+        if e.rcode < 0 or len(data) < 12:
+            return None
+        ident, flags = struct.unpack_from("!HH", data)
+        return struct.pack("!HHHHHH", ident, 0x8000 | (flags & 0x7900) | e.rcode, 0, 0, 0, 0)
+    limit = (min(query.edns, DNS_UDP_EDNS) if query.edns else DNS_UDP_PLAIN) if udp else None
+    return zone.answer(query, limit)
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+class _DnsUdp(asyncio.DatagramProtocol):
+    def __init__(self, zone: DnsZone):
+        self.zone = zone
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        try:
+            answer = dns_reply(self.zone, data, True)
+        except Exception:
+            log.exception("dns: a query from %s failed", log_safe(str(addr[0]), 64))
+            return
+        if answer is not None and self.transport is not None:
+            self.transport.sendto(answer, addr)
+
+
+class DnsServer:
+    """The relay's authoritative DNS for its domain on UDP and TCP (one port)."""
+
+    def __init__(self, zone: DnsZone, host: str, port: int):
+        self.zone, self.host, self.port = zone, host, port
+        self.udp = None
+        self.tcp: asyncio.AbstractServer | None = None
+        self.connections: dict = {}  # TCP writer -> None, oldest first
+
+    async def start(self) -> int:
+        """Listen on UDP and TCP; return the port (port 0: a free one, the same for both)."""
+        loop = asyncio.get_running_loop()
+        last: OSError | None = None
+        for _ in range(20 if self.port == 0 else 1):
+            transport, _proto = await loop.create_datagram_endpoint(
+                lambda: _DnsUdp(self.zone), local_addr=(self.host, self.port)
+            )
+            port = transport.get_extra_info("sockname")[1]
+            try:
+                self.tcp = await asyncio.start_server(self._serve_tcp, self.host, port)
+            except OSError as e:  # that port is taken for TCP: another one
+                transport.close()
+                last = e
+                continue
+            self.udp = transport
+            self.port = port
+            return port
+        raise last or OSError("no port for DNS")
+
+    def close(self) -> None:
+        if self.udp is not None:
+            self.udp.close()
+        if self.tcp is not None:
+            self.tcp.close()
+        for writer in list(self.connections):
+            writer.close()
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.connections[writer] = None
+        while len(self.connections) > DNS_TCP_MAX:
+            oldest = next(iter(self.connections))
+            self.connections.pop(oldest, None)
+            oldest.close()
+        try:
+            while True:
+                # the whole message within DNS_TCP_SECONDS: a slow sender holds nothing long
+                try:
+                    size = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 30))
+                    if size[0] > DNS_MAX_QUERY:  # no query is that long: not read at all
+                        return
+                    data = await asyncio.wait_for(reader.readexactly(size[0]), DNS_TCP_SECONDS)
+                except (asyncio.TimeoutError, asyncio.IncompleteReadError):
+                    return
+                answer = dns_reply(self.zone, data, False)
+                if answer is None:
+                    return
+                writer.write(struct.pack("!H", len(answer)) + answer)
+                await asyncio.wait_for(writer.drain(), DNS_TCP_SECONDS)
+        except (OSError, asyncio.TimeoutError):
+            pass
+        except Exception:
+            log.exception("dns: a TCP query failed")
+        finally:
+            self.connections.pop(writer, None)
+            writer.close()
+
+
+# -- RFC 2136 updates, signed with TSIG (RFC 8945) ------------------------------------------
+
+
+def tsig_setting(raw: str) -> tuple:
+    """Parse SERVICE_RELAY_DNS_TSIG: `<key name>:<base64 HMAC-SHA256 secret>` (as `keymgr`
+    and `tsig-keygen` print them) into (name, secret bytes); ("", b"") when empty."""
+    raw = raw.strip()
+    if not raw:
+        return "", b""
+    name, sep, secret = raw.partition(":")
+    if not sep or not name or not secret:
+        raise ValueError("give it as <key name>:<base64 secret>")
+    try:
+        key = base64.b64decode(secret.strip(), validate=True)
+        encode_name(name)
+    except (ValueError, DnsError):
+        raise ValueError("the key name or its base64 secret is malformed") from None
+    if len(key) < 16:
+        raise ValueError("the secret is shorter than 16 bytes")
+    return name.lower().rstrip("."), key
+
+
+HMAC_SHA256 = "hmac-sha256"
+TSIG_FUDGE = 300
+
+
+def _tsig_variables(key_name: str, signed: int, error: int = 0, other: bytes = b"") -> bytes:
+    return (
+        encode_name(key_name)
+        + struct.pack("!HI", DNS_CLASS_ANY, 0)
+        + encode_name(HMAC_SHA256)
+        + signed.to_bytes(6, "big")
+        + struct.pack("!HHH", TSIG_FUDGE, error, len(other))
+        + other
+    )
+
+
+def tsig_sign(message: bytes, key_name: str, secret: bytes, signed: int | None = None) -> tuple:
+    """Return (the message with a TSIG record added, its MAC)."""
+    signed = int(time.time()) if signed is None else signed
+    mac = hmac.new(secret, message + _tsig_variables(key_name, signed), hashlib.sha256).digest()
+    ident = message[:2]
+    rdata = (
+        encode_name(HMAC_SHA256)
+        + signed.to_bytes(6, "big")
+        + struct.pack("!HH", TSIG_FUDGE, len(mac))
+        + mac
+        + ident
+        + struct.pack("!HH", 0, 0)
+    )
+    count = struct.unpack_from("!H", message, 10)[0] + 1
+    head = message[:10] + struct.pack("!H", count)
+    record = _record(encode_name(key_name), DNS_TSIG, 0, rdata, DNS_CLASS_ANY)
+    return head + message[12:] + record, mac
+
+
+def tsig_verify(answer: bytes, key_name: str, secret: bytes, request_mac: bytes) -> int:
+    """Return the rcode of a TSIG-signed answer to a request whose MAC was `request_mac`.
+
+    Raises DnsError when the answer is not signed by that key (or its time is off).
+    """
+    if len(answer) < 12:
+        raise DnsError("a truncated answer")
+    _id, flags, qd, an, ns, ar = struct.unpack_from("!HHHHHH", answer)
+    at = 12
+    for _ in range(qd):
+        _name, at = read_name(answer, at)
+        at += 4
+    start = None
+    for i in range(an + ns + ar):
+        record_at = at
+        name, at = read_name(answer, at)
+        rtype, _cls, _ttl, size = struct.unpack_from("!HHIH", answer, at)
+        at += 10
+        if rtype == DNS_TSIG and i == an + ns + ar - 1:
+            start, rdata, owner = record_at, answer[at : at + size], name
+        at += size
+    if start is None:
+        raise DnsError("the answer is not signed (no TSIG record)", flags & 0xF or NOTAUTH)
+    if owner.lower().rstrip(".") != key_name:
+        raise DnsError("the answer is signed by another key")
+    algorithm, at = read_name(rdata, 0)
+    signed = int.from_bytes(rdata[at : at + 6], "big")
+    fudge, mac_size = struct.unpack_from("!HH", rdata, at + 6)
+    mac = rdata[at + 10 : at + 10 + mac_size]
+    original, error, other_size = struct.unpack_from("!HHH", rdata, at + 10 + mac_size)
+    other = rdata[at + 16 + mac_size : at + 16 + mac_size + other_size]
+    if error:
+        raise DnsError(f"the DNS server refused the signature (TSIG error {error})", NOTAUTH)
+    if algorithm.lower() != HMAC_SHA256:
+        raise DnsError("the answer is signed with another algorithm")
+    body = struct.pack("!H", original) + answer[2:10] + struct.pack("!H", ar - 1)
+    body += answer[12:start]
+    expect = hmac.new(
+        secret,
+        struct.pack("!H", len(request_mac))
+        + request_mac
+        + body
+        + _tsig_variables(key_name, signed, error, other),
+        hashlib.sha256,
+    ).digest()
+    if not hmac.compare_digest(mac, expect):
+        raise DnsError("the answer's TSIG signature does not match")
+    if abs(time.time() - signed) > fudge:
+        raise DnsError("the answer's TSIG time is off by more than its fudge")
+    return flags & 0xF
+
+
+RCODE_NAMES = {
+    NOERROR: "NOERROR",
+    FORMERR: "FORMERR",
+    SERVFAIL: "SERVFAIL",
+    NXDOMAIN: "NXDOMAIN",
+    NOTIMP: "NOTIMP",
+    REFUSED: "REFUSED",
+    NOTAUTH: "NOTAUTH",
+}
+
+
+class DnsUpdater:
+    """Sets and clears `TXT _acme-challenge.<id>.D` in another DNS server by RFC 2136
+    updates over TCP, signed with TSIG (HMAC-SHA256), and clears each after
+    CHALLENGE_TTL."""
+
+    TIMEOUT = 10.0
+
+    def __init__(self, target: str, key_name: str, secret: bytes, zone: str):
+        host, _, port = target.rpartition(":")
+        self.host, self.port = host.strip("[]"), int(port)
+        self.key_name, self.secret, self.zone = key_name, secret, zone.lower()
+        self.timers: dict = {}  # server id -> the call that clears its record
+
+    def message(self, server_id: str, values: list) -> bytes:
+        """Return the unsigned UPDATE: the zone, then delete the name's TXT set and add
+        each value (none: a delete alone)."""
+        owner = encode_name(f"_acme-challenge.{server_id}.{self.zone}")
+        updates = [_record(owner, DNS_TXT, 0, b"", DNS_CLASS_ANY)]  # delete the RRset
+        updates += [_record(owner, DNS_TXT, TTL_CHALLENGE, txt_rdata(v)) for v in values]
+        head = struct.pack(
+            "!HHHHHH", secrets.randbelow(65536), OPCODE_UPDATE << 11, 1, 0, len(updates), 0
+        )
+        zone = encode_name(self.zone) + struct.pack("!HH", DNS_SOA, DNS_IN)
+        return head + zone + b"".join(updates)
+
+    async def send(self, server_id: str, values: list) -> None:
+        """Send one update and wait for the server's signed NOERROR.
+
+        Raises DnsError (refused, unsigned, wrong signature) or OSError (unreachable,
+        timed out)."""
+        request, mac = tsig_sign(self.message(server_id, values), self.key_name, self.secret)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port), self.TIMEOUT
+            )
+        except asyncio.TimeoutError:
+            raise OSError(f"{self.host}:{self.port} did not answer") from None
+        try:
+            writer.write(struct.pack("!H", len(request)) + request)
+            size = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), self.TIMEOUT))
+            answer = await asyncio.wait_for(reader.readexactly(size[0]), self.TIMEOUT)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError):
+            raise OSError(f"{self.host}:{self.port} did not answer the update") from None
+        finally:
+            writer.close()
+        if answer[:2] != request[:2]:
+            raise DnsError("the answer is to another message")
+        rcode = tsig_verify(answer, self.key_name, self.secret, mac)
+        if rcode != NOERROR:
+            raise DnsError(f"the DNS server answered {RCODE_NAMES.get(rcode, rcode)}", rcode)
+
+    async def set(self, server_id: str, values: list) -> None:
+        await self.send(server_id, values)
+        self._clear_later(server_id)
+
+    async def clear(self, server_id: str) -> None:
+        timer = self.timers.pop(server_id, None)
+        if timer is not None:
+            timer.cancel()
+        await self.send(server_id, [])
+
+    def _clear_later(self, server_id: str) -> None:
+        timer = self.timers.pop(server_id, None)
+        if timer is not None:
+            timer.cancel()
+        loop = asyncio.get_running_loop()
+
+        def clear() -> None:
+            self.timers.pop(server_id, None)
+            task = loop.create_task(self.send(server_id, []))
+            task.add_done_callback(_log_failed_clear)
+
+        self.timers[server_id] = loop.call_later(CHALLENGE_TTL, clear)
+
+
+def _log_failed_clear(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("dns: clearing an expired challenge record failed: %s", task.exception())
+
+
+# == src/notesvc/passthrough/acme.py ==========================================
+# The server's certificate for <id>.D: ACME (RFC 8555) by DNS-01 through its relay, kept.
+
+LETS_ENCRYPT = "https://acme-v02.api.letsencrypt.org/directory"
+TLS_FOLDER = "tls"
+SERVER_PEM = "server.pem"  # the certificate's key, then its chain: one file, one rename
+ACCOUNT_PEM = "account.pem"
+
+
+def has_cryptography() -> bool:
+    """Return whether the `cryptography` package (ECDSA keys, JWS, CSRs) can be imported."""
+    try:
+        import cryptography.hazmat.primitives.asymmetric.ec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+# -- keys, signatures, requests ------------------------------------------------------------
+
+
+def new_private_key_pem() -> bytes:
+    """Return a new ECDSA P-256 private key (PKCS#8 PEM)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _load_key(pem: bytes) -> Any:
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.load_pem_private_key(pem, password=None)
+
+
+def jwk_of(key: Any) -> dict:
+    """Return the public JWK of a P-256 key (RFC 7518 6.2), members in thumbprint order."""
+    numbers = key.public_key().public_numbers()
+    return {
+        "crv": "P-256",
+        "kty": "EC",
+        "x": b64url(numbers.x.to_bytes(32, "big")),
+        "y": b64url(numbers.y.to_bytes(32, "big")),
+    }
+
+
+def jwk_thumbprint(jwk: dict) -> str:
+    """Return the JWK's SHA-256 thumbprint (RFC 7638), base64url."""
+    canonical = json.dumps(jwk, sort_keys=True, separators=(",", ":")).encode()
+    return b64url(hashlib.sha256(canonical).digest())
+
+
+def dns01_value(token: str, thumbprint: str) -> str:
+    """Return the TXT value a DNS-01 challenge asks for (RFC 8555 8.4)."""
+    return b64url(hashlib.sha256(f"{token}.{thumbprint}".encode()).digest())
+
+
+def es256(key: Any, data: bytes) -> bytes:
+    """Return the JWS ES256 signature of data: r and s, 32 bytes each (RFC 7518 3.4)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+    r, s = decode_dss_signature(key.sign(data, ec.ECDSA(hashes.SHA256())))
+    return r.to_bytes(32, "big") + s.to_bytes(32, "big")
+
+
+def csr_der(key: Any, name: str) -> bytes:
+    """Return a certificate signing request for one DNS name (DER)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
+    subject = [x509.NameAttribute(NameOID.COMMON_NAME, name)] if len(name) <= 64 else []
+    request = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name(subject))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return request.public_bytes(serialization.Encoding.DER)
+
+
+class AcmeError(Exception):
+    """An ACME CA's refusal or failure, in words fit for /system/info (never a secret)."""
+
+    def __init__(self, message: str, kind: str = "", status: int = 0):
+        super().__init__(message)
+        self.kind, self.status = kind, status
+
+
+class AcmeClient:
+    """RFC 8555 over HTTPS, for one account key: directory, nonces (badNonce retried),
+    JWS-signed POSTs, the order of one DNS name by DNS-01."""
+
+    TIMEOUT = 30.0  # seconds for one request to the CA
+    POLL_SECONDS = 120.0  # how long an authorisation or an order may stay pending
+    NONCE_RETRIES = 5
+
+    def __init__(self, directory: str, ca_file: str, account_key: Any, email: str = ""):
+        self.directory_url, self.key, self.email = directory, account_key, email
+        self.context = ssl.create_default_context(cafile=ca_file or None)
+        self.jwk = jwk_of(account_key)
+        self.thumbprint = jwk_thumbprint(self.jwk)
+        self.urls: dict = {}
+        self.kid = ""
+        self.nonce = ""
+        self.stop = threading.Event()
+
+    def _http(self, method: str, url: str, body: bytes | None = None) -> tuple:
+        """Return (status, headers, body bytes) of one request to the CA."""
+        headers = {"User-Agent": f"notesvc/{__version__}"}
+        if body is not None:
+            headers["Content-Type"] = "application/jose+json"
+        req = urllib.request.Request(url, body, headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=self.TIMEOUT, context=self.context) as r:
+                return r.status, r.headers, r.read(1 << 20)
+        except urllib.error.HTTPError as e:
+            with e:
+                return e.code, e.headers, e.read(1 << 20)
+        except (OSError, ValueError) as e:  # refused, timed out, TLS, a bad URL
+            reason = getattr(e, "reason", None) or e
+            raise AcmeError(f"the ACME CA at {url} cannot be reached: {reason}") from None
+
+    def directory(self) -> dict:
+        if not self.urls:
+            status, _headers, raw = self._http("GET", self.directory_url)
+            try:
+                urls = json.loads(raw)
+            except ValueError:
+                urls = None
+            if status != 200 or not isinstance(urls, dict) or "newOrder" not in urls:
+                raise AcmeError(f"{self.directory_url} is not an ACME directory (HTTP {status})")
+            self.urls = urls
+        return self.urls
+
+    def _new_nonce(self) -> str:
+        status, headers, _ = self._http("HEAD", self.directory()["newNonce"])
+        nonce = headers.get("Replay-Nonce", "")
+        if not nonce:
+            raise AcmeError(f"the ACME CA gave no nonce (HTTP {status})")
+        return nonce
+
+    def post(self, url: str, payload: Any, use_jwk: bool = False) -> tuple:
+        """Return (status, headers, parsed body) of a JWS-signed POST (`payload` None:
+        POST-as-GET); a badNonce is retried with the nonce it brought.
+
+        Raises AcmeError for a problem document the CA answers."""
+        for _ in range(self.NONCE_RETRIES):
+            nonce = self.nonce or self._new_nonce()
+            self.nonce = ""
+            protected = {"alg": "ES256", "nonce": nonce, "url": url}
+            if use_jwk:
+                protected["jwk"] = self.jwk
+            else:
+                protected["kid"] = self.kid
+            head = b64url(json.dumps(protected).encode())
+            body = "" if payload is None else b64url(json.dumps(payload).encode())
+            signature = b64url(es256(self.key, f"{head}.{body}".encode()))
+            jws = json.dumps({"protected": head, "payload": body, "signature": signature})
+            status, headers, raw = self._http("POST", url, jws.encode())
+            self.nonce = headers.get("Replay-Nonce", "")
+            ctype = headers.get("Content-Type", "")
+            parsed: Any = raw
+            if "json" in ctype:
+                try:
+                    parsed = json.loads(raw)
+                except ValueError:
+                    parsed = {}
+            if status < 400:
+                return status, headers, parsed
+            problem = parsed if isinstance(parsed, dict) else {}
+            kind = str(problem.get("type", ""))
+            if kind.endswith(":badNonce"):
+                continue
+            detail = log_safe(str(problem.get("detail", "")), 300) or f"HTTP {status}"
+            name = kind.rsplit(":", 1)[-1] or "error"
+            raise AcmeError(f"the ACME CA refused ({name}): {detail}", kind, status)
+        raise AcmeError("the ACME CA kept refusing our nonces (badNonce)", "badNonce")
+
+    def account(self) -> str:
+        """Register the account (or find it: the same key is the same account)."""
+        if not self.kid:
+            payload: dict = {"termsOfServiceAgreed": True}
+            if self.email:
+                payload["contact"] = [f"mailto:{self.email}"]
+            status, headers, _ = self.post(self.directory()["newAccount"], payload, use_jwk=True)
+            self.kid = headers.get("Location", "")
+            if status not in (200, 201) or not self.kid:
+                raise AcmeError(f"the ACME CA did not make an account (HTTP {status})")
+        return self.kid
+
+    def _wait(self, url: str, pending: tuple, what: str) -> dict:
+        """POST-as-GET `url` until its status leaves `pending`; return the object."""
+        deadline = time.monotonic() + self.POLL_SECONDS
+        while True:
+            _s, headers, obj = self.post(url, None)
+            if not isinstance(obj, dict):
+                raise AcmeError(f"the ACME CA's {what} is not JSON")
+            if obj.get("status") not in pending:
+                return obj
+            if time.monotonic() > deadline:
+                raise AcmeError(f"the {what} stayed {obj.get('status')} for too long")
+            delay = 1.0
+            with contextlib.suppress(ValueError):
+                delay = min(10.0, max(0.2, float(headers.get("Retry-After", "1"))))
+            if self.stop.wait(delay):
+                raise AcmeError("stopped")
+
+    def obtain(self, name: str, publish: Callable, withdraw: Callable) -> tuple:
+        """Return (key PEM, chain PEM) of a new certificate for `name`, proving control
+        of it by DNS-01: publish([values]) before answering the challenges, withdraw()
+        after (whatever the outcome)."""
+        self.account()
+        status, headers, order = self.post(
+            self.directory()["newOrder"], {"identifiers": [{"type": "dns", "value": name}]}
+        )
+        order_url = headers.get("Location", "")
+        if status != 201 or not isinstance(order, dict) or not order_url:
+            raise AcmeError(f"the ACME CA did not make an order (HTTP {status})")
+        try:
+            self._authorise(order, publish)
+        finally:
+            try:
+                withdraw()
+            except Exception as e:  # the relay drops it after 10 minutes anyway
+                log.warning("acme: withdrawing the challenge record failed: %s", e)
+        order = self._wait(order_url, ("pending",), "order")
+        if order.get("status") != "ready":
+            raise AcmeError(f"the order is {order.get('status')}: {_problem_of(order)}")
+        key_pem = new_private_key_pem()
+        csr = csr_der(_load_key(key_pem), name)
+        self.post(order["finalize"], {"csr": b64url(csr)})
+        order = self._wait(order_url, ("processing", "ready"), "order")
+        if order.get("status") != "valid" or not order.get("certificate"):
+            raise AcmeError(f"the order is {order.get('status')}: {_problem_of(order)}")
+        _s, _h, chain = self.post(order["certificate"], None)
+        if not isinstance(chain, bytes) or b"BEGIN CERTIFICATE" not in chain:
+            raise AcmeError("the ACME CA's certificate is not PEM")
+        return key_pem, chain
+
+    def _authorise(self, order: dict, publish: Callable) -> None:
+        """Answer every pending authorisation of an order by DNS-01 and wait for each."""
+        pending = []
+        for url in order.get("authorizations", []):
+            _s, _h, authz = self.post(url, None)
+            if not isinstance(authz, dict):
+                raise AcmeError("the ACME CA's authorisation is not JSON")
+            if authz.get("status") == "valid":
+                continue  # reused (RFC 8555 7.1.3)
+            challenge = next(
+                (c for c in authz.get("challenges", []) if c.get("type") == "dns-01"), None
+            )
+            if challenge is None:
+                raise AcmeError("the ACME CA offers no dns-01 challenge")
+            pending.append((url, challenge))
+        if not pending:
+            return
+        publish([dns01_value(c["token"], self.thumbprint) for _u, c in pending])
+        for _url, challenge in pending:
+            self.post(challenge["url"], {})
+        for url, _challenge in pending:
+            authz = self._wait(url, ("pending", "processing"), "authorisation")
+            if authz.get("status") != "valid":
+                failed = next(
+                    (c for c in authz.get("challenges", []) if c.get("error")), {"error": {}}
+                )
+                raise AcmeError(f"DNS-01 failed: {_problem_of(failed)}")
+
+
+def _problem_of(obj: dict) -> str:
+    error = obj.get("error") if isinstance(obj.get("error"), dict) else {}
+    return log_safe(str(error.get("detail") or error.get("type") or "no reason given"), 300)
+
+
+# -- the certificate on disk ------------------------------------------------------------
+
+
+class TlsFolder:
+    """`.notesvc/tls/`: server.pem (the key, then the chain) and account.pem, 0600."""
+
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / TLS_FOLDER
+
+    def _ensure(self) -> None:
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def account_key(self) -> Any:
+        """Return the ACME account's key, made (and kept) on first use."""
+        self._ensure()
+        path = self.path / ACCOUNT_PEM
+        if not path.exists():
+            atomic_write(path, new_private_key_pem(), mode=0o600)
+        return _load_key(path.read_bytes())
+
+    def save(self, key_pem: bytes, chain_pem: bytes) -> None:
+        self._ensure()
+        atomic_write(self.path / SERVER_PEM, key_pem + b"\n" + chain_pem, mode=0o600)
+
+    def facts(self) -> dict:
+        """Return the facts of the certificate kept (certificate_facts), {} without one."""
+        try:
+            return certificate_facts((self.path / SERVER_PEM).read_text("ascii", "replace"))
+        except OSError:
+            return {}
+
+    def context(self) -> ssl.SSLContext:
+        """Return a server SSLContext on the certificate kept (TLS 1.2+, HTTP/1.1).
+
+        Raises OSError or ssl.SSLError when it is missing or its key does not match."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(str(self.path / SERVER_PEM))
+        ctx.set_alpn_protocols(["http/1.1"])
+        return ctx
+
+
+def renew_at(facts: dict) -> float:
+    """Return when a certificate is renewed: two thirds into its lifetime."""
+    return facts["notBefore"] + (facts["notAfter"] - facts["notBefore"]) * 2 / 3
+
+
+class CertKeeper:
+    """Gets and renews the certificate for one name on a thread of its own.
+
+    `publish(values)` and `withdraw()` set and clear the challenge records through the
+    relay; `changed()` is called when a new certificate is in place (and when the one in
+    hand has expired). `context()` is the SSLContext to serve with, or None.
+    """
+
+    BACKOFF_FIRST = 60.0
+    BACKOFF_MOST = 6 * 3600.0
+
+    def __init__(
+        self,
+        folder: TlsFolder,
+        directory: str,
+        ca_file: str,
+        email: str,
+        publish: Callable,
+        withdraw: Callable,
+        changed: Callable,
+    ):
+        self.folder, self.directory, self.ca_file, self.email = folder, directory, ca_file, email
+        self.publish, self.withdraw, self.changed = publish, withdraw, changed
+        self.name = ""  # <serverId>.<domain>, once the relay has said it offers passthrough
+        self.state = "waiting"  # waiting, obtaining, valid, renewing, error
+        self.last_error: str | None = None
+        self.failures = 0
+        self.next_attempt = 0.0  # wall time of the next try after a failure
+        self.last_success = 0.0
+        self._context: ssl.SSLContext | None = None
+        self._context_facts: dict = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="notesvc-acme", daemon=True)
+        self._client: AcmeClient | None = None
+
+    def start(self, name: str) -> None:
+        """Keep a certificate for `name` (again, when it changed)."""
+        with self._lock:
+            if name != self.name:
+                self.name, self.failures, self.next_attempt = name, 0, 0.0
+        self._wake.set()
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._client is not None:
+            self._client.stop.set()
+
+    def usable(self, facts: dict, now: float | None = None) -> bool:
+        """Return whether a certificate's facts fit this name and it is within its time."""
+        now = time.time() if now is None else now
+        return (
+            bool(facts)
+            and self.name in facts.get("names", [])
+            and facts["notBefore"] <= now + 300
+            and now < facts["notAfter"]
+        )
+
+    def context(self) -> ssl.SSLContext | None:
+        """Return the SSLContext on the certificate kept while it is usable, else None."""
+        with self._lock:
+            if self._context is not None and not self.usable(self._context_facts):
+                self._context = None
+            return self._context
+
+    def load(self) -> bool:
+        """Take the certificate on disk when it is usable for the name; return whether."""
+        facts = self.folder.facts()
+        if not self.usable(facts):
+            return False
+        try:
+            ctx = self.folder.context()
+        except (OSError, ssl.SSLError) as e:
+            where = self.folder.path
+            log.warning("passthrough: the certificate in %s cannot be used: %s", where, e)
+            return False
+        with self._lock:
+            self._context, self._context_facts = ctx, facts
+        return True
+
+    def status(self) -> dict:
+        facts = self._context_facts if self._context is not None else {}
+        return {
+            "name": self.name or None,
+            "state": self.state,
+            "certificate": {
+                "notBefore": iso(facts["notBefore"]),
+                "notAfter": iso(facts["notAfter"]),
+                "renewAt": iso(renew_at(facts)),
+                "issuer": facts.get("issuer", ""),
+            }
+            if facts
+            else None,
+            "lastError": self.last_error,
+            "nextAttemptAt": iso(self.next_attempt) if self.next_attempt else None,
+            "acmeDirectory": self.directory,
+        }
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            wait = self._step()
+            self._wake.wait(wait)
+
+    def _step(self) -> float:
+        """Do what is due now; return how long to wait before looking again."""
+        if not self.name:
+            return 3600.0
+        had = self._context is not None
+        self.load()  # the file on disk, when usable (a restart, a copy put there by hand)
+        ctx = self.context()  # None once the one in hand has expired
+        if had != (ctx is not None):
+            self.changed()
+        if ctx is not None and time.time() < renew_at(self._context_facts):
+            self.state = "valid"
+            return min(3600.0, max(1.0, renew_at(self._context_facts) - time.time()))
+        now = time.time()
+        if self.next_attempt and now < self.next_attempt:
+            return self.next_attempt - now
+        self.state = "renewing" if self._context is not None else "obtaining"
+        try:
+            self._obtain()
+        except AcmeError as e:
+            if self._stop.is_set():
+                return 0.0
+            self.failures += 1
+            delay = min(self.BACKOFF_MOST, self.BACKOFF_FIRST * 2 ** (self.failures - 1))
+            delay *= random.uniform(0.9, 1.1)  # noqa: S311 - spreading retries, no secret
+            self.next_attempt = time.time() + delay
+            self.state, self.last_error = "error", str(e)
+            log.warning(
+                "passthrough: no certificate for %s: %s; trying again in %.0f s%s",
+                self.name,
+                e,
+                delay,
+                " (the one in hand keeps serving)" if self._context is not None else "",
+            )
+            return delay
+        except Exception as e:  # a bug: said once, tried again later
+            self.failures += 1
+            self.next_attempt = time.time() + self.BACKOFF_MOST
+            self.state, self.last_error = "error", type(e).__name__
+            log.exception("passthrough: getting a certificate failed")
+            return self.BACKOFF_MOST
+        self.failures, self.next_attempt, self.last_error = 0, 0.0, None
+        self.last_success = time.time()
+        self.load()
+        self.state = "valid"
+        log.info(
+            "passthrough: a certificate for %s until %s",
+            self.name,
+            iso(self._context_facts.get("notAfter", 0)),
+        )
+        self.changed()
+        return 1.0
+
+    def _obtain(self) -> None:
+        if self._client is None or self._client.directory_url != self.directory:
+            self._client = AcmeClient(
+                self.directory, self.ca_file, self.folder.account_key(), self.email
+            )
+            if self._stop.is_set():
+                self._client.stop.set()
+        key_pem, chain = self._client.obtain(self.name, self.publish, self.withdraw)
+        facts = certificate_facts(chain.decode("ascii", "replace"))
+        if not self.usable(facts):
+            raise AcmeError("the ACME CA's certificate does not name this server")
+        self.folder.save(key_pem, chain)
+
+
+# == src/notesvc/passthrough/front.py =========================================
+# The relay's TLS port: ClientHellos read for their name, spliced to servers that dial in.
+
+HELLO_SECONDS = 10.0  # a whole ClientHello (and a trusted proxy's PROXY header) within this
+DIAL_SECONDS = 10.0  # a server dials within this, or its client's connection is closed
+PENDING_MAX = 4096  # connections whose ClientHello is not in yet, in all
+DIALS_PER_SERVER = 64  # clients waiting for one server's dial (the oldest closed first)
+SPLICES_PER_SERVER = 256  # open splices to one server
+SPLICE_IDLE_SECONDS = 300.0  # a splice with no byte either way this long is closed
+SPLICE_HIGH_WATER = 256 * 1024  # bytes buffered toward one side before the other pauses
+SPLICE_UPGRADE = "notesvc-splice"
+
+
+@dataclasses.dataclass
+class Dial:
+    """A client connection waiting for its server to dial in."""
+
+    server_id: str
+    sock: socket.socket
+    hello: bytes  # the client's bytes so far (its ClientHello)
+    client: tuple  # (address, port) of the client, as the PROXY header says it
+    local: tuple  # (address, port) it connected to
+    until: float
+    done: asyncio.Future
+
+
+class _Pipe(asyncio.Protocol):
+    """One side of a splice: what it reads goes to the other side's transport."""
+
+    def __init__(self, splice: _Splice):
+        self.splice = splice
+        self.transport: asyncio.Transport | None = None
+        self.other: _Pipe | None = None
+        self.early = b""  # read before the other side had its transport
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=SPLICE_HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        self.splice.last = time.monotonic()
+        other = self.other.transport if self.other is not None else None
+        if other is None:
+            self.early += data
+        elif not other.is_closing():
+            other.write(data)
+
+    def eof_received(self) -> bool:
+        other = self.other.transport if self.other is not None else None
+        if other is not None and not other.is_closing() and other.can_write_eof():
+            other.write_eof()  # a half-close passes through (TLS's close_notify came first)
+            return True
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.splice.close()
+
+    def pause_writing(self) -> None:  # our side's buffer is full: stop reading the other
+        other = self.other.transport if self.other is not None else None
+        if other is not None and not other.is_closing():
+            other.pause_reading()
+
+    def resume_writing(self) -> None:
+        other = self.other.transport if self.other is not None else None
+        if other is not None and not other.is_closing():
+            other.resume_reading()
+
+
+class _Splice:
+    """A client's connection and its server's data connection, joined."""
+
+    def __init__(self, front: TlsFront, server_id: str):
+        self.front, self.server_id = front, server_id
+        self.client, self.server = _Pipe(self), _Pipe(self)
+        self.client.other, self.server.other = self.server, self.client
+        self.last = time.monotonic()
+        self.closed = False
+        self.writer: Any = None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if log.isEnabledFor(10):
+            log.debug("relay: a splice to %s closed", self.server_id)
+        for pipe in (self.client, self.server):
+            if pipe.transport is not None and not pipe.transport.is_closing():
+                pipe.transport.close()  # (what is buffered still goes out first)
+        self.front.splices.get(self.server_id, {}).pop(self, None)
+        if not self.front.splices.get(self.server_id, True):
+            self.front.splices.pop(self.server_id, None)
+
+
+class TlsFront:
+    """The relay's TLS port (see this module's docstring).
+
+    `hub` is the relay's RelayHub: `splices_to(server_id)` says whether a server is in
+    passthrough mode and `dial(server_id, message)` puts a dial in its long-poll.
+    `serve_http(reader, writer, peer, scheme)` serves a connection as the relay's HTTP.
+    """
+
+    def __init__(self, config: Config, hub: Any, serve_http: Callable):
+        self.config, self.hub, self.serve_http = config, hub, serve_http
+        self.domain = config.relay_domain
+        self.listener: socket.socket | None = None
+        self.shared = False  # one port with the HTTP server
+        self.port = 0
+        self.pending: OrderedDict = OrderedDict()  # socket -> (client address, task)
+        self.pending_by_addr: dict = {}  # address -> {socket: None}
+        self.dials: dict = {}  # token -> Dial
+        self.splices: dict = {}  # server id -> {_Splice: None}
+        self.counts = {"spliced": 0, "terminated": 0, "closed": 0, "dialsMissed": 0}
+        self._tasks: set = set()
+        self._context: ssl.SSLContext | None = None
+        self._wildcard = False
+        self._cert_seen: tuple = ()  # (mtime of cert, of key) the context was made from
+        self._cert_checked = 0.0
+        self._rcvlowat = hasattr(socket, "SO_RCVLOWAT")
+
+    # -- listening -----------------------------------------------------------------------
+
+    async def start(self, shared: bool) -> int:
+        """Listen on SERVICE_RELAY_TLS_PORT; `shared`: it is the HTTP port too (this
+        listener then serves the HTTP connections as well). Return the port."""
+        self.shared = shared
+        self.context()  # said at start when the certificate cannot be read
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        port = self.config.port if shared else self.config.relay_tls_port
+        try:
+            sock.bind((self.config.host, port))
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self.listener, self.port = sock, sock.getsockname()[1]
+        self._keep(asyncio.get_running_loop().create_task(self._accept()))
+        self._keep(asyncio.get_running_loop().create_task(self._sweep()))
+        return self.port
+
+    def close(self) -> None:
+        if self.listener is not None:
+            with contextlib.suppress(OSError):
+                self.listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for splices in list(self.splices.values()):
+            for splice in list(splices):
+                splice.close()
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _addr = await loop.sock_accept(self.listener)
+            except OSError as e:  # out of descriptors: a moment, then on
+                if self.listener is None or self.listener.fileno() < 0:
+                    return
+                log.warning("relay: accepting on the TLS port failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._handle(sock))
+            self._admit(sock, task)
+
+    def _admit(self, sock: socket.socket, task: asyncio.Task) -> None:
+        """Count a connection whose ClientHello is not in yet; close the oldest of its
+        address beyond the cap per address, and the oldest of all beyond PENDING_MAX."""
+        addr = socket_address(sock, True)[0]
+        mine = self.pending_by_addr.setdefault(addr, {})
+        mine[sock] = None
+        self.pending[sock] = (addr, task)
+        if len(mine) > self.config.relay_max_idle_per_address:
+            self._drop_pending(next(iter(mine)))
+        if len(self.pending) > PENDING_MAX:
+            self._drop_pending(next(iter(self.pending)))
+
+    def _drop_pending(self, sock: socket.socket) -> None:
+        entry = self._settled(sock)
+        if entry is not None:
+            entry[1].cancel()
+            self.counts["closed"] += 1
+
+    def _settled(self, sock: socket.socket):
+        """Stop counting a connection as waiting for its ClientHello."""
+        entry = self.pending.pop(sock, None)
+        if entry is not None:
+            mine = self.pending_by_addr.get(entry[0], {})
+            mine.pop(sock, None)
+            if not mine:
+                self.pending_by_addr.pop(entry[0], None)
+        return entry
+
+    async def _sweep(self) -> None:
+        """Close splices idle for SPLICE_IDLE_SECONDS and dials past their time."""
+        while True:
+            await asyncio.sleep(min(10.0, SPLICE_IDLE_SECONDS / 4))
+            now = time.monotonic()
+            for splices in list(self.splices.values()):
+                for splice in [s for s in splices if now - s.last > SPLICE_IDLE_SECONDS]:
+                    splice.close()
+            for token in [t for t, d in self.dials.items() if d.until < now]:
+                self._miss(self.dials.pop(token))
+
+    # -- a connection ------------------------------------------------------------------------
+
+    async def _handle(self, sock: socket.socket) -> None:
+        kept = False
+        try:
+            kept = await self._route(sock)
+        except (OSError, asyncio.TimeoutError, HelloError, ValueError) as e:
+            if log.isEnabledFor(10):
+                log.debug("relay: a TLS connection closed: %s", log_safe(str(e), 200))
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("relay: a TLS connection failed")
+        finally:
+            self._settled(sock)
+            if not kept:
+                self.counts["closed"] += 1
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    async def _route(self, sock: socket.socket) -> bool:
+        """Read what a connection starts with and send it its way; return whether it was
+        kept (handed on) rather than closed."""
+        deadline = time.monotonic() + HELLO_SECONDS
+        client, local = socket_address(sock, True), socket_address(sock, False)
+        data = await self._peek(sock, b"", deadline)
+        if data[:1] in (b"P", b"\r") and is_trusted_proxy(self.config, client[0]):
+            while True:  # a trusted proxy's PROXY header (nginx stream: proxy_protocol on)
+                try:
+                    found = parse_proxy_header(data)
+                except ValueError:
+                    break  # none: an HTTP request from the proxy (PUT, POST...)
+                if found is not None:
+                    size, said = found
+                    _recv_exactly(sock, size)
+                    client = said or client
+                    data = await self._peek(sock, b"", deadline)
+                    break
+                data = await self._peek(sock, data, deadline)
+        if data[:1] != b"\x16":
+            if self.shared and data[:1].isalpha():  # an HTTP request on the shared port
+                self._settled(sock)
+                await self._http(sock, client, None)
+                return True
+            raise HelloError("not TLS")
+        while True:
+            found = client_hello_sni(data)
+            if found is not None:
+                break
+            data = await self._peek(sock, data, deadline)
+        size, name = found
+        server_id = self._server_of(name)
+        if server_id and self.hub.splices_to(server_id):
+            self._settled(sock)
+            return await self._splice(sock, server_id, _recv_exactly(sock, size), client, local)
+        ctx = self.context()
+        if ctx is not None and (name == self.domain or (server_id and self._wildcard)):
+            self._settled(sock)
+            await self._http(sock, client, ctx)
+            return True
+        raise HelloError(f"no server here for the name {name}")
+
+    def _server_of(self, name: str) -> str:
+        sid, dot, rest = name.partition(".")
+        if dot and rest == self.domain and len(sid) == 20 and sid.isalnum():
+            return sid
+        return ""
+
+    async def _peek(self, sock: socket.socket, seen: bytes, deadline: float) -> bytes:
+        """Return the bytes waiting on a socket, without taking them, once there are more
+        than `seen`; raise OSError at its end, TimeoutError past the deadline."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data = sock.recv(MAX_HELLO_RAW, socket.MSG_PEEK)
+            except BlockingIOError:
+                data = None
+            if data == b"":
+                raise OSError("closed before its ClientHello")
+            if data is not None and len(data) > len(seen):
+                return data
+            if data is not None and len(data) >= MAX_HELLO_RAW:
+                raise HelloError("the ClientHello is spread over too many bytes")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError()
+            waiting = len(data or b"")
+            # wake only for more bytes than are waiting now (SO_RCVLOWAT), not for those
+            lowat = self._rcvlowat and waiting > 0
+            if lowat:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, waiting + 1)
+                except OSError:
+                    self._rcvlowat = lowat = False
+            ready = loop.create_future()
+            fd = sock.fileno()
+            loop.add_reader(fd, lambda f=ready: f.done() or f.set_result(None))
+            try:
+                if waiting and not lowat:  # (no SO_RCVLOWAT here: look again in a moment)
+                    await asyncio.sleep(0.02)
+                else:
+                    await asyncio.wait_for(ready, left)
+            finally:
+                loop.remove_reader(fd)
+                if lowat:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+    async def _http(self, sock: socket.socket, client: tuple, ctx: ssl.SSLContext | None):
+        """Serve a connection as the relay's HTTP (TLS ended here when `ctx`)."""
+        loop = asyncio.get_running_loop()
+        scheme = "https" if ctx is not None else "http"
+
+        def factory() -> asyncio.StreamReaderProtocol:
+            reader = asyncio.StreamReader(limit=16384)
+            return asyncio.StreamReaderProtocol(
+                reader, lambda r, w: self.serve_http(r, w, client[0], scheme)
+            )
+
+        if ctx is not None:
+            self.counts["terminated"] += 1
+            await loop.connect_accepted_socket(
+                factory, sock, ssl=ctx, ssl_handshake_timeout=HELLO_SECONDS
+            )
+        else:
+            await loop.connect_accepted_socket(factory, sock)
+
+    # -- splices -----------------------------------------------------------------------------
+
+    async def _splice(
+        self, sock: socket.socket, server_id: str, hello: bytes, client: tuple, local: tuple
+    ) -> bool:
+        """Ask a server to dial in for this connection, and wait for it."""
+        waiting = [d for d in self.dials.values() if d.server_id == server_id]
+        if len(waiting) >= DIALS_PER_SERVER:
+            oldest = min(waiting, key=lambda d: d.until)
+            self._miss(oldest)
+        if len(self.splices.get(server_id, ())) >= SPLICES_PER_SERVER:
+            raise HelloError("that server has its most splices open")
+        token = secrets.token_urlsafe(24)
+        loop = asyncio.get_running_loop()
+        until = time.monotonic() + DIAL_SECONDS
+        dial = Dial(server_id, sock, hello, client, local, until, loop.create_future())
+        self.dials[token] = dial
+        queued = self.hub.dial(server_id, {"kind": "dial", "token": token, "client": client[0]})
+        if not queued:
+            self.dials.pop(token, None)
+            raise HelloError("that server is not connected, or its queue is full")
+        if isinstance(queued, str) and queued in self.dials:  # it took an older one's place
+            self._miss(self.dials[queued])
+        try:
+            return await asyncio.wait_for(dial.done, DIAL_SECONDS)
+        except asyncio.TimeoutError:
+            self.counts["dialsMissed"] += 1
+            return False
+        finally:
+            self.dials.pop(token, None)
+
+    def _miss(self, dial: Dial) -> None:
+        for token, d in list(self.dials.items()):
+            if d is dial:
+                del self.dials[token]
+        if not dial.done.done():
+            dial.done.set_result(False)  # its task closes the client's connection
+
+    def take_dial(self, server_id: str, token: str) -> Dial | None:
+        """Return the dial a token stands for (once: it is used up), or None for a wrong,
+        used or expired one."""
+        dial = self.dials.get(token)
+        if dial is None or dial.server_id != server_id or dial.until < time.monotonic():
+            return None
+        del self.dials[token]
+        if dial.done.done():
+            return None
+        return dial
+
+    async def join(self, dial: Dial, writer: asyncio.StreamWriter, early: bytes) -> None:
+        """Splice a dial's client to the data connection its server opened (`writer`'s,
+        just answered 101; `early`: bytes the server sent after its request)."""
+        splice = _Splice(self, dial.server_id)
+        splice.writer = writer  # (kept: a StreamWriter closes its transport when collected)
+        transport = writer.transport
+        self.splices.setdefault(dial.server_id, {})[splice] = None
+        transport.set_protocol(splice.server)
+        splice.server.connection_made(transport)
+        transport.write(proxy_v2_header(dial.client, dial.local) + dial.hello)
+        dial.done.set_result(True)  # the client's socket is the splice's from here
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.connect_accepted_socket(lambda: splice.client, dial.sock)
+        except OSError:
+            splice.close()
+            return
+        self.counts["spliced"] += 1
+        early += splice.server.early  # what the server sent before the client's side was up
+        if early:
+            splice.client.transport.write(early)
+
+    # -- the relay's own certificate ---------------------------------------------------------
+
+    def context(self) -> ssl.SSLContext | None:
+        """Return the SSLContext of the relay's own certificate for D (SERVICE_RELAY_TLS_CERT
+        and _KEY), made again when the files change (a renewal); None without one."""
+        cert, key = self.config.relay_tls_cert, self.config.relay_tls_key
+        if not cert:
+            return None
+        now = time.monotonic()
+        if self._context is not None and now - self._cert_checked < 60:
+            return self._context
+        self._cert_checked = now
+        try:
+            seen = (Path(cert).stat().st_mtime, Path(key or cert).stat().st_mtime)
+            if seen == self._cert_seen and self._context is not None:
+                return self._context
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_cert_chain(cert, key or None)
+            ctx.set_alpn_protocols(["http/1.1"])
+            names = certificate_names(Path(cert).read_text("ascii", "replace"))
+        except (OSError, ssl.SSLError) as e:
+            log.warning("relay: its certificate %s cannot be used: %s", cert, e)
+            return self._context
+        self._context, self._cert_seen = ctx, seen
+        self._wildcard = f"*.{self.domain}" in names
+        if self.domain not in names and not self._wildcard:
+            domain = self.domain
+            log.warning("relay: its certificate %s names neither %s nor *.%s", cert, domain, domain)
+        return ctx
+
+    def stats(self) -> dict:
+        return {
+            "waitingForHello": len(self.pending),
+            "waitingForDial": len(self.dials),
+            "splices": sum(len(s) for s in self.splices.values()),
+            **self.counts,
+        }
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    """Take `size` bytes already waiting on a socket (they were peeked at)."""
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise OSError("closed")
+        data += chunk
+    return data
+
+
+# == src/notesvc/passthrough/server.py ========================================
+# The home server's side of passthrough: dials, TLS in process, spliced waitress channels.
+
+SPLICED_MAX = 64  # spliced connections at once
+HANDSHAKE_SECONDS = 10.0  # a client's TLS handshake, from the dial on
+PUMP_HIGH_WATER = 256 * 1024  # bytes held toward one side before the other is not read
+
+
+@functools.lru_cache(maxsize=4)
+def spliced_channel_class(base: type) -> type:
+    """Return a subclass of waitress's channel class whose requests carry the spliced
+    connection's environ (`notesvc_environ`, set on the channel)."""
+
+    class SplicedTask(base.task_class):
+        def get_environment(self):
+            environ = super().get_environment()
+            environ.update(self.channel.notesvc_environ)
+            return environ
+
+    class SplicedChannel(base):
+        task_class = SplicedTask
+        notesvc_environ: ClassVar[dict] = {}  # (each channel gets its own at once)
+
+    return SplicedChannel
+
+
+class SplicedConnection:
+    """One client's connection through the relay: dial, handshake, pump (its own thread)."""
+
+    def __init__(self, owner: SpliceServer, token: str):
+        self.owner, self.token = owner, token
+        self.started = time.monotonic()
+        self.handshaken = False
+        self.link: socket.socket | None = None
+        self.client = ("", 0)
+        self._aborted = False
+
+    def abort(self) -> None:
+        """Close it from another thread (to make room)."""
+        self._aborted = True
+        link = self.link
+        if link is not None:
+            with contextlib.suppress(OSError):
+                link.shutdown(socket.SHUT_RDWR)
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except (OSError, ssl.SSLError, ValueError) as e:
+            if not self._aborted:
+                log.info("passthrough: a spliced connection ended: %s", log_safe(str(e), 200))
+        except Exception:
+            log.exception("passthrough: a spliced connection failed")
+        finally:
+            if self.link is not None:
+                with contextlib.suppress(OSError):
+                    self.link.close()
+            self.owner.forget(self)
+
+    def _run(self) -> None:
+        deadline = self.started + HANDSHAKE_SECONDS
+        link, rest = self.owner.open_dial(self.token, deadline)
+        self.link = link
+        if self._aborted:
+            return
+        while True:  # the PROXY v2 header the relay writes before the client's bytes
+            found = parse_proxy_header(rest)
+            if found is not None:
+                break
+            rest += _recv_by(link, deadline)
+        size, client = found
+        self.client = client or ("0.0.0.0", 0)
+        context = self.owner.context()
+        if context is None:
+            raise ValueError("no certificate in hand")
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = context.wrap_bio(incoming, outgoing, server_side=True)
+        incoming.write(rest[size:])
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                pending = outgoing.read()
+                if pending:
+                    link.settimeout(max(0.01, deadline - time.monotonic()))
+                    link.sendall(pending)
+                incoming.write(_recv_by(link, deadline))
+        self.handshaken = True
+        ours, theirs = socket.socketpair()
+        try:
+            self.owner.hand_to_waitress(theirs, self.client)
+        except Exception:
+            ours.close()
+            theirs.close()
+            raise
+        try:
+            _pump(link, ours, tls, incoming, outgoing, lambda: self._aborted)
+        finally:
+            ours.close()
+            log.debug("passthrough: a spliced connection from %s closed", self.client[0])
+
+
+def _recv_by(sock: socket.socket, deadline: float) -> bytes:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise OSError("the handshake took too long")
+    sock.settimeout(left)
+    data = sock.recv(65536)
+    if not data:
+        raise OSError("the relay closed the data connection")
+    return data
+
+
+def _pump(link, pair, tls, incoming, outgoing, aborted: Callable) -> None:
+    """Move bytes until waitress closes its end: link (TLS records) <-> pair (plaintext).
+
+    The client's end (TLS close_notify, or the connection's) is passed on as the end of
+    the pair's stream, so waitress closes the channel; waitress's close is passed on as
+    close_notify, then the link is closed."""
+    link.setblocking(False)
+    pair.setblocking(False)
+    to_pair, to_link = bytearray(), bytearray(outgoing.read())
+    link_open, shut = True, False
+    sel = selectors.DefaultSelector()
+    interest: dict = {}
+    read, write = selectors.EVENT_READ, selectors.EVENT_WRITE
+
+    def want(sock, events: int) -> None:
+        had = interest.get(sock, 0)
+        if events == had:
+            return
+        if not events:
+            sel.unregister(sock)
+        elif had:
+            sel.modify(sock, events)
+        else:
+            sel.register(sock, events)
+        interest[sock] = events
+
+    def decrypt() -> None:
+        nonlocal link_open
+        while True:
+            try:
+                to_pair.extend(tls.read(65536))
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:  # the client's close_notify
+                link_open = False
+                break
+        to_link.extend(outgoing.read())  # (TLS 1.3 tickets, key updates)
+
+    def from_link() -> None:
+        nonlocal link_open
+        while link_open:
+            try:
+                data = link.recv(65536)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return
+            if not data:
+                link_open = False
+                return
+            incoming.write(data)
+            decrypt()
+            if not getattr(link, "pending", lambda: 0)():  # (an https link's own buffer)
+                return
+
+    decrypt()  # what came with the client's last handshake message (its first request)
+    try:
+        while not aborted():
+            if not link_open and not to_pair and not shut:
+                pair.shutdown(socket.SHUT_WR)  # waitress reads the end and closes
+                shut = True
+            want(link, (read if link_open and len(to_pair) < PUMP_HIGH_WATER else 0)
+                 | (write if to_link else 0))  # fmt: skip
+            want(pair, (read if len(to_link) < PUMP_HIGH_WATER else 0)
+                 | (write if to_pair and not shut else 0))  # fmt: skip
+            for key, events in sel.select(1.0):
+                if key.fileobj is link:
+                    if events & read:
+                        from_link()
+                    if events & write and to_link:
+                        with contextlib.suppress(BlockingIOError, ssl.SSLWantWriteError):
+                            del to_link[: link.send(to_link)]
+                    continue
+                if events & write and to_pair:
+                    with contextlib.suppress(BlockingIOError):
+                        del to_pair[: pair.send(to_pair)]
+                if events & read:
+                    try:
+                        data = pair.recv(65536)
+                    except BlockingIOError:
+                        continue
+                    if not data:  # waitress closed the channel: close_notify, then done
+                        with contextlib.suppress(ssl.SSLError):
+                            tls.unwrap()
+                        to_link.extend(outgoing.read())
+                        _flush(link, to_link)
+                        return
+                    tls.write(data)
+                    to_link.extend(outgoing.read())
+    finally:
+        sel.close()
+
+
+def _flush(link, data: bytearray) -> None:
+    """Send what is left toward the client, for a second at most."""
+    if not data:
+        return
+    link.settimeout(1.0)
+    with contextlib.suppress(OSError):
+        link.sendall(bytes(data))
+
+
+class SpliceServer:
+    """Dials in for the relay's clients and serves them through waitress (see the module
+    docstring). `listener`: waitress's listening server (its map, adjustments, trigger)."""
+
+    def __init__(self, relay_url: str, listener: Any, token: Callable, server_id: Callable):
+        self.relay_url, self.listener = relay_url, listener
+        self.relay_token, self.server_id = token, server_id
+        self.origin = ""
+        self._context: ssl.SSLContext | None = None
+        self._lock = threading.Lock()
+        self.live: list = []  # SplicedConnection, oldest first
+        self.refused = 0
+        self.dialed = 0  # dials answered (a data connection opened)
+        self.served = 0  # of them, handshakes done (a channel handed to waitress)
+        self._refused_said = 0.0
+
+    def context(self) -> ssl.SSLContext | None:
+        return self._context
+
+    def use(self, context: ssl.SSLContext | None, origin: str) -> None:
+        """Serve with this certificate (None: none in hand) on this origin from now on."""
+        self._context, self.origin = context, origin
+
+    def dial(self, message: dict) -> None:
+        """Dial in for a client the relay holds (a poll's `{kind: dial, token, client}`)."""
+        token = message.get("token")
+        if not isinstance(token, str) or not 16 <= len(token) <= 128 or self._context is None:
+            return
+        conn = self._room()
+        if conn is None:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._refused_said > 60:
+                self._refused_said = now
+                log.warning(
+                    "passthrough: %d spliced connections are open, all past their handshake: "
+                    "a client was not served (the relay closes it)",
+                    SPLICED_MAX,
+                )
+            return
+        conn.token = token
+        self.dialed += 1
+        threading.Thread(target=conn.run, name="notesvc-spliced", daemon=True).start()
+
+    def _room(self) -> SplicedConnection | None:
+        """Return a new connection counted in `live`, making room by closing the oldest
+        one still in its handshake when SPLICED_MAX are open (None: all are past it)."""
+        with self._lock:
+            if len(self.live) >= SPLICED_MAX:
+                waiting = [c for c in self.live if not c.handshaken]
+                if not waiting:
+                    return None
+                self.live.remove(waiting[0])
+                waiting[0].abort()
+            conn = SplicedConnection(self, "")
+            self.live.append(conn)
+            return conn
+
+    def forget(self, conn: SplicedConnection) -> None:
+        with self._lock:
+            if conn in self.live:
+                self.live.remove(conn)
+
+    def stop(self) -> None:
+        with self._lock:
+            live = list(self.live)
+        for conn in live:
+            conn.abort()
+
+    def open_dial(self, token: str, deadline: float) -> tuple:
+        """Open the data connection and ask the relay for the splice; return (socket,
+        bytes already read after the 101)."""
+        parts = urllib.parse.urlsplit(self.relay_url)
+        https = parts.scheme == "https"
+        port = parts.port or (443 if https else 80)
+        sock = socket.create_connection(
+            (parts.hostname, port), timeout=max(0.5, deadline - time.monotonic())
+        )
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if https:
+            try:
+                sock = ssl.create_default_context().wrap_socket(
+                    sock, server_hostname=parts.hostname
+                )
+            except (OSError, ssl.SSLError):
+                sock.close()
+                raise
+        path = f"{parts.path.rstrip('/')}/relay/v1/dial/{self.server_id()}/{token}"
+        request = (
+            f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"User-Agent: notesvc/{__version__}\r\nX-Relay-Token: {self.relay_token()}\r\n"
+            f"Connection: Upgrade\r\nUpgrade: {SPLICE_UPGRADE}\r\nContent-Length: 0\r\n\r\n"
+        )
+        try:
+            sock.sendall(request.encode("latin-1"))
+            head = b""
+            while b"\r\n\r\n" not in head:
+                if len(head) > 16384:
+                    raise ValueError("the relay's answer to a dial has no end")
+                head += _recv_by(sock, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        head, _, rest = head.partition(b"\r\n\r\n")
+        status = head.split(b"\r\n", 1)[0]
+        if not status.startswith(b"HTTP/1.1 101"):
+            sock.close()
+            raise ValueError(f"the relay refused the dial: {status.decode('latin-1')[:80]}")
+        return sock, rest
+
+    def hand_to_waitress(self, sock: socket.socket, client: tuple) -> None:
+        """Give waitress one end of the socket pair as a channel of its own (made on its
+        own thread: the trigger runs it in the loop that owns the map)."""
+        listener = self.listener
+        cls = spliced_channel_class(listener.channel_class)
+        environ = {
+            "wsgi.url_scheme": "https",
+            "HTTPS": "on",
+            "notesvc.relayed": True,
+            "notesvc.spliced": True,
+            "notesvc.relay_origin": self.origin,
+        }
+
+        def make() -> None:
+            try:
+                channel = cls(listener, sock, (client[0], client[1]), listener.adj, listener._map)
+            except OSError:
+                sock.close()
+                return
+            channel.notesvc_environ = environ
+
+        listener.trigger.pull_trigger(make)
+        self.served += 1
+
+    def status(self) -> dict:
+        with self._lock:
+            live = list(self.live)
+        return {
+            "open": len(live),
+            "handshaking": sum(1 for c in live if not c.handshaken),
+            "max": SPLICED_MAX,
+            "dialed": self.dialed,
+            "served": self.served,
+            "refused": self.refused,
+        }
+
+
+# -- the mode: certificate, registration, status ----------------------------------------------
+
+
+class TerminatedCount:
+    """Requests that came through a terminating path of the relay (its long-poll: the
+    path-based /r/<id> and per-server origins), per UTC day, the last 7 days kept."""
+
+    def __init__(self):
+        self.days: dict = {}
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        day = utcnow().strftime("%Y-%m-%d")
+        with self._lock:
+            self.days[day] = self.days.get(day, 0) + 1
+            if len(self.days) > 7:
+                for old in sorted(self.days)[:-7]:
+                    del self.days[old]
+
+    def last_week(self) -> int:
+        with self._lock:
+            return sum(self.days.values())
+
+
+class Passthrough:
+    """Passthrough for one server's relay link: its certificate, its splices, its state.
+
+    `call(method, path, body)` is the relay link's (RelayClient._call); `register()`
+    registers again (a certificate came or went).
+    """
+
+    def __init__(self, svc: Any, listener: Any, call: Callable, register: Callable):
+        self.svc, self.call, self.register = svc, call, register
+        cfg = svc.config
+        self.offered = False
+        self.active = False  # registered with passthrough: true, and the relay said so
+        self.origin = ""
+        self.reason = ""  # why it is off, when it is
+        self.keeper: CertKeeper | None = None
+        self.splicer: SpliceServer | None = None
+        self.terminated = TerminatedCount()
+        if not has_cryptography():
+            self.reason = (
+                "passthrough needs the cryptography package (sudo apt install "
+                "python3-cryptography, or pip install cryptography)"
+            )
+        elif listener is None:
+            self.reason = "passthrough needs waitress (sudo apt install python3-waitress)"
+        else:
+            self.splicer = SpliceServer(
+                cfg.relay_url,
+                listener,
+                lambda: svc.state.read()["relayToken"],
+                lambda: svc.state.read()["serverId"],
+            )
+            self.keeper = CertKeeper(
+                TlsFolder(cfg.state_dir),
+                cfg.acme_directory or LETS_ENCRYPT,
+                cfg.acme_ca_file,
+                cfg.acme_email,
+                self._publish,
+                self._withdraw,
+                self._changed,
+            )
+
+    def wanted(self) -> bool:
+        """Return whether to register with `passthrough: true`: a certificate in hand."""
+        return self.keeper is not None and self.keeper.context() is not None
+
+    def learn(self, info: dict, server_id: str) -> str:
+        """Take what the relay said of itself (`/relay/v1/info`); return this server's
+        passthrough origin when it is in use, else ""."""
+        offered = bool(info.get("passthrough")) and bool(info.get("domain"))
+        if offered and not self.offered:
+            log.info("relay: it offers passthrough (TLS ends on this server)")
+            if self.reason:
+                log.warning("relay: %s; staying off", self.reason)
+        self.offered = offered
+        if not offered or self.keeper is None:
+            self.active = False
+            return ""
+        domain = str(info["domain"]).lower()
+        port = info.get("tlsPort")
+        port = port if isinstance(port, int) and 0 < port < 65536 else 443
+        self.origin = f"https://{server_id}.{domain}" + ("" if port == 443 else f":{port}")
+        self.keeper.start(f"{server_id}.{domain}")
+        if self.splicer is not None:
+            self.splicer.use(self.keeper.context(), self.origin)
+        return self.origin if self.active else ""
+
+    def registered(self, asked: bool, answer: dict) -> None:
+        """Note the relay's answer to a registration that asked for passthrough or not."""
+        self.active = asked and bool(answer.get("passthrough"))
+
+    def dial(self, message: dict) -> None:
+        if self.splicer is not None:
+            self.splicer.dial(message)
+
+    def stop(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
+        if self.splicer is not None:
+            self.splicer.stop()
+
+    def _publish(self, values: list) -> None:
+        sid = self.svc.state.read()["serverId"]
+        status, answer = self.call("PUT", f"/relay/v1/acme/{sid}", {"values": values})
+        if status != 200:
+            said = answer.get("error", {}).get("message", "") if isinstance(answer, dict) else ""
+            raise AcmeError(f"the relay did not publish the challenge: HTTP {status} {said}")
+
+    def _withdraw(self) -> None:
+        sid = self.svc.state.read()["serverId"]
+        self.call("DELETE", f"/relay/v1/acme/{sid}")
+
+    def _changed(self) -> None:
+        """A certificate came (or the one in hand expired): serve with it, register again."""
+        if self.splicer is not None and self.keeper is not None:
+            self.splicer.use(self.keeper.context(), self.origin)
+        threading.Thread(target=self._register_again, daemon=True).start()
+
+    def _register_again(self) -> None:
+        try:
+            self.register()
+        except Exception as e:  # the link's own loop registers again soon anyway
+            log.warning("relay: registering again after a certificate change failed: %s", e)
+
+    def status(self) -> dict:
+        """What /system/info and the audit say of passthrough."""
+        if not self.offered:
+            state = "not offered"
+        elif self.reason:
+            state = "unavailable"
+        elif self.active:
+            state = "active"
+        else:
+            state = "starting" if self.keeper.state != "error" else "error"
+        return {
+            "state": state,
+            "reason": self.reason or None,
+            "origin": self.origin or None,
+            "certificate": self.keeper.status()
+            if self.keeper is not None and self.offered
+            else None,
+            "spliced": self.splicer.status() if self.splicer is not None else None,
+            "terminatedLast7Days": self.terminated.last_week(),
+            "checkedAt": iso(utcnow()),
+        }
+
+
 # == src/notesvc/audit.py =====================================================
 # The security audit: AUDIT_CHECKS and the score.
 
@@ -23002,12 +25529,39 @@ def check_plain_http_upstreams(svc: Service) -> list:
     return out
 
 
+def passthrough_status(svc: Service) -> dict | None:
+    """Return what the relay link says of passthrough (None: no link, or it is off)."""
+    client = svc.relay_client
+    return client.status().get("passthrough") if client is not None else None
+
+
 @audit_check
 def check_relay_in_transit(svc: Service) -> list:
     cfg = svc.config
     host = urllib.parse.urlsplit(cfg.relay_url).hostname or ""
     if cfg.pairing != "relay" or not cfg.relay_url or is_loopback(host) or host == "localhost":
         return []
+    passthrough = passthrough_status(svc) or {}
+    readable = passthrough.get("terminatedLast7Days", 0)
+    if passthrough.get("state") == "active":
+        cert = (passthrough.get("certificate") or {}).get("certificate") or {}
+        origin = passthrough.get("origin")
+        return [
+            finding(
+                "relay-passthrough",
+                "info",
+                "TLS ends on this server: the relay forwards encrypted bytes (passthrough)",
+                f"Clients reach this server at {origin} through the relay at {host}, which "
+                "cannot read the key or the notes there; it learns addresses, server ids, "
+                f"timing and sizes. The certificate is valid until {cert.get('notAfter')} and "
+                f"is renewed from {cert.get('renewAt')}. {readable} request(s) in the last 7 "
+                "days came by the relay's other paths (path-based links, connectors set up "
+                "before, its per-server origin), where TLS ends at the relay.",
+                f"Open the server at {origin}, and connect devices and connectors again "
+                "there: then nothing crosses the relay in the clear.",
+            )
+        ]
+    offered = passthrough.get("state") not in (None, "not offered")
     return [
         finding(
             "relay-sees-transit",
@@ -23015,8 +25569,60 @@ def check_relay_in_transit(svc: Service) -> list:
             "Requests pass through a relay on another machine",
             f"The relay at {host} stores nothing at rest, but TLS ends there: whoever runs it "
             "could read the key and the notes in transit, and it learns addresses, server "
-            "ids, timing and sizes. Losing it costs availability only.",
-            "Run your own relay (python3 notesvc.py relay) or use one run by someone you trust.",
+            "ids, timing and sizes. Losing it costs availability only."
+            + (
+                f" It offers passthrough, which is {passthrough.get('state')} here"
+                f"{': ' + passthrough['reason'] if passthrough.get('reason') else ''}."
+                if offered
+                else ""
+            ),
+            "Run your own relay (python3 notesvc.py relay) or use one run by someone you "
+            "trust, or one that offers passthrough (SERVICE_RELAY_TLS=passthrough), where "
+            "TLS ends on this server.",
+        )
+    ]
+
+
+@audit_check
+def check_passthrough_certificate(svc: Service) -> list:
+    """A passthrough certificate that cannot be renewed, or is near its end."""
+    passthrough = passthrough_status(svc)
+    if passthrough is not None:
+        keeper = passthrough.get("certificate") or {}
+        cert = keeper.get("certificate") or {}
+        if keeper.get("state") != "error":
+            return []
+        severity = "medium" if cert else "high"
+        return [
+            finding(
+                "passthrough-certificate",
+                severity,
+                "The certificate for passthrough cannot be obtained or renewed",
+                f"The ACME CA ({keeper.get('acmeDirectory')}) said: {keeper.get('lastError')}. "
+                f"Next try at {keeper.get('nextAttemptAt')}. "
+                + (
+                    f"The certificate in hand keeps serving until {cert.get('notAfter')}."
+                    if cert
+                    else "Until one is in hand, clients reach this server only by the "
+                    "relay's terminating paths."
+                ),
+                "Check that the relay answers DNS for its domain (the domain delegated to "
+                "it) and that SERVICE_ACME_DIRECTORY is reachable from here.",
+            )
+        ]
+    facts = TlsFolder(svc.config.state_dir).facts()  # `audit` beside a server: the file
+    if not facts or facts["notAfter"] - time.time() > 14 * 86400:
+        return []
+    ended = facts["notAfter"] <= time.time()
+    return [
+        finding(
+            "passthrough-certificate",
+            "medium" if ended else "low",
+            "The certificate for passthrough " + ("has expired" if ended else "expires soon"),
+            f"{svc.config.state_dir / 'tls'} holds one for {', '.join(facts['names'])} until "
+            f"{iso(facts['notAfter'])}; a running server renews it from two thirds of its "
+            "lifetime on, and says why it could not in /system/info.",
+            "Look at the server's /system/info (connection.passthrough) and its log.",
         )
     ]
 
@@ -32878,6 +35484,7 @@ LINGER_MAX_BYTES = 64 * 1024 * 1024
 LINGER_SECONDS = 10.0
 LINGER_IDLE_SECONDS = 2.0
 RELAY_MAX_LINGERING = 128  # connections a relay lingers on at once (the rest close at once)
+UPGRADED = object()  # _serve_one: the connection became a splice's data connection
 RELAY_ID_RE = re.compile(r"^[a-z2-7]{20}\Z")
 RELAY_CODE_RE = re.compile(r"^[A-Za-z0-9-]{1,64}\Z")
 _TOKEN_CHARS_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
@@ -32922,6 +35529,7 @@ class RelayRequest:
     peer: str
     keep_alive: bool
     server_id: str = ""  # the server whose own origin (Host) the request came to
+    scheme: str = "http"  # https when TLS ended on the relay's own TLS port
 
     def header(self, name: str, default: str = "") -> str:
         name = name.lower()
@@ -33108,6 +35716,7 @@ class _RelayServer:
     waiting: dict = dataclasses.field(default_factory=dict)  # request id -> future of reply
     last_seen: float = 0.0
     code: str = ""  # its relay code, once it gave one (held while it is registered)
+    passthrough: bool = False  # registered with passthrough: true (its clients are spliced)
 
 
 class RelayHub:
@@ -33128,6 +35737,7 @@ class RelayHub:
         self.registrations: dict = {}  # client address -> deque of times
         self.closed = False
         self._expired_at = -1.0
+        self.dial_waits: Any = lambda token: False  # is a dial's client still waiting?
 
     def close(self) -> None:
         """Wake every long-poll and waiting client (the relay is stopping)."""
@@ -33164,7 +35774,9 @@ class RelayHub:
         if not token or not hmac.compare_digest(relay_server_id(token), server_id):
             raise ApiError(403, "FORBIDDEN", "this relay token does not certify that server id")
 
-    def register(self, server_id: str, token: str, relay_code: str, addr: str) -> None:
+    def register(
+        self, server_id: str, token: str, relay_code: str, addr: str, passthrough: bool = False
+    ) -> None:
         now = time.monotonic()
         self._rate_limit(addr, now)
         self.check_token(server_id, token)
@@ -33181,6 +35793,7 @@ class RelayHub:
                 )
             slot = self.servers[server_id] = _RelayServer()
         slot.last_seen = now
+        slot.passthrough = passthrough
         if relay_code:
             if slot.code and slot.code != relay_code.lower():
                 self.codes.pop(slot.code, None)
@@ -33247,7 +35860,9 @@ class RelayHub:
         slot.last_seen = time.monotonic()
         while slot.queue:
             request = slot.queue.popleft()
-            if request["id"] in slot.waiting:  # its client may have given up meanwhile
+            if request.get("id") in slot.waiting:  # its client may have given up meanwhile
+                return request
+            if request.get("kind") == "dial" and self.dial_waits(request["token"]):
                 return request
         if self.closed:
             return None
@@ -33261,6 +35876,38 @@ class RelayHub:
             slot.last_seen = time.monotonic()
             with contextlib.suppress(ValueError):
                 slot.pollers.remove(fut)
+
+    def splices_to(self, server_id: str) -> bool:
+        """Return whether a server registered here in passthrough mode (and is polling)."""
+        slot = self.servers.get(server_id)
+        return (
+            slot is not None
+            and slot.passthrough
+            and time.monotonic() - slot.last_seen <= RELAY_EXPIRY
+        )
+
+    def dial(self, server_id: str, message: dict):
+        """Put a dial in a server's long-poll; return True, or False when it cannot be (not
+        connected, its queue full of requests), or the token of the oldest dial it took the
+        place of (a queue full of dials: the newest client comes first, so a flood of
+        unfinished handshakes cannot keep the owner out)."""
+        slot = self.servers.get(server_id)
+        if slot is None:
+            return False
+        while slot.pollers:
+            poller = slot.pollers.popleft()
+            if not poller.done():
+                poller.set_result(message)
+                return True
+        if len(slot.queue) >= self.config.relay_max_queue:
+            oldest = next((m for m in slot.queue if m.get("kind") == "dial"), None)
+            if oldest is None:
+                return False
+            slot.queue.remove(oldest)
+            slot.queue.append(message)
+            return oldest["token"]
+        slot.queue.append(message)
+        return True
 
     def reply(self, server_id: str, token: str, request_id: str, answer: dict) -> None:
         slot = self._slot(server_id, token)
@@ -33313,10 +35960,11 @@ class RelayHub:
 class _Conn:
     """One client connection; `busy` while a request is in flight or a poll is held."""
 
-    __slots__ = ("busy", "opened", "peer", "writer")
+    __slots__ = ("busy", "opened", "peer", "scheme", "writer")
 
     def __init__(self, writer: asyncio.StreamWriter, peer: str):
         self.writer, self.peer, self.busy, self.opened = writer, peer, False, time.monotonic()
+        self.scheme = "http"
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -33333,6 +35981,18 @@ class RelayServer:
         self.lingering = 0  # connections draining a refused body (_linger)
         self.server: asyncio.AbstractServer | None = None
         self.domain = config.relay_domain  # "": no per-server origins (pages path-based)
+        # passthrough (SERVICE_RELAY_TLS): the TLS port, the challenge records and who
+        # holds them (its own DNS, or another DNS server by RFC 2136 updates)
+        self.front: TlsFront | None = None
+        self.dns: DnsServer | None = None
+        self.updater: DnsUpdater | None = None
+        self.challenges = ChallengeRecords(config.relay_max_servers)
+        if config.relay_tls == "passthrough":
+            self.front = TlsFront(config, self.hub, self._serve_connection)
+            self.hub.dial_waits = lambda token: token in self.front.dials
+            if config.relay_dns_update:
+                name, secret = tsig_setting(config.relay_dns_tsig_secret)
+                self.updater = DnsUpdater(config.relay_dns_update, name, secret, self.domain)
         assets = re.compile("^(" + "|".join(map(re.escape, WEB_ASSETS)) + ")$")
         prefixed = r"^/r/([^/]+)"
         # The relay's own host: its API for servers, the path-based JSON routes of every
@@ -33347,6 +36007,8 @@ class RelayServer:
             ("POST", re.compile(r"^/relay/v1/reply/([^/]+)/([^/]+)$"), self.reply),
             ("POST", re.compile(r"^/relay/v1/code/([^/]+)$"), self.set_code),
             ("GET", re.compile(r"^/relay/v1/pair/([^/]+)$"), self.pair),
+            ("PUT", re.compile(r"^/relay/v1/acme/([^/]+)$"), self.acme),
+            ("DELETE", re.compile(r"^/relay/v1/acme/([^/]+)$"), self.acme),
             ("*", re.compile(prefixed + r"(/api/v1(?:/.*)?)$", re.S), self.forward),
             ("GET", RELAYED_WELL_KNOWN_RE, self.forward_well_known),
             ("POST", re.compile(prefixed + r"(/oauth/(?:token|register|revoke))$"), self.forward),
@@ -33376,15 +36038,48 @@ class RelayServer:
     # -- connections ---------------------------------------------------------------
 
     async def start(self) -> int:
-        """Listen; return the port."""
-        self.server = await asyncio.start_server(
-            self._serve_connection,
-            self.config.host,
-            self.config.port,
-            limit=RELAY_MAX_HEAD,
-            backlog=1024,
-        )
-        return self.server.sockets[0].getsockname()[1]
+        """Listen (HTTP; with passthrough, TLS and DNS too); return the HTTP port."""
+        shared = self.front is not None and self.config.relay_tls_port == self.config.port
+        if shared and self.config.port:  # one port: the TLS front takes HTTP too
+            port = await self.front.start(shared=True)
+        else:
+            self.server = await asyncio.start_server(
+                self._serve_connection,
+                self.config.host,
+                self.config.port,
+                limit=RELAY_MAX_HEAD,
+                backlog=1024,
+            )
+            port = self.server.sockets[0].getsockname()[1]
+            if self.front is not None:
+                await self.front.start(shared=False)
+        if self.front is not None and self.updater is None:
+            zone = DnsZone(self.domain, self.dns_addresses(), self.challenges)
+            self.dns = DnsServer(zone, self.config.host, self.config.relay_dns_port)
+            await self.dns.start()
+        return port
+
+    def dns_addresses(self) -> tuple:
+        """Return the A/AAAA answers for D and *.D: SERVICE_RELAY_DNS_ADDRESSES, else
+        SERVICE_HOST when it names one address, else the default-route address."""
+        if self.config.relay_dns_addresses:
+            return self.config.relay_dns_addresses
+        host = self.config.host.strip("[]")
+        if host not in ("", "0.0.0.0", "::") and ip_of(host) is not None:
+            return (host,)
+        found = lan_address().strip("[]")
+        if not found:
+            log.warning("relay: no address for DNS answers: set SERVICE_RELAY_DNS_ADDRESSES")
+        return (found,) if found else ()
+
+    def close(self) -> None:
+        """Stop listening (HTTP, TLS, DNS)."""
+        if self.server is not None:
+            self.server.close()
+        if self.front is not None:
+            self.front.close()
+        if self.dns is not None:
+            self.dns.close()
 
     def _admit(self, conn: _Conn) -> None:
         """Track a connection; close the address's oldest idle one beyond the cap."""
@@ -33402,14 +36097,24 @@ class RelayServer:
             if not conns:
                 del self.by_addr[conn.peer]
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        peer = (writer.get_extra_info("peername") or ("?", 0))[0]
+    async def _serve_connection(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: str = "",
+        scheme: str = "http",
+    ):
+        """Serve one connection's requests; `peer` and `scheme` as the TLS port found them
+        (a trusted proxy's PROXY header; TLS ended here)."""
+        peer = peer or (writer.get_extra_info("peername") or ("?", 0))[0]
         conn = _Conn(writer, peer)
+        conn.scheme = scheme
         self._admit(conn)
+        keep_alive = None
         try:
             while not self.hub.closed:
                 keep_alive = await self._serve_one(conn, reader, writer)
-                if not keep_alive:
+                if not keep_alive or keep_alive is UPGRADED:
                     break
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
@@ -33417,7 +36122,8 @@ class RelayServer:
             log.exception("relay: connection from %s failed", peer)
         finally:
             self._forget(conn)
-            conn.close()
+            if keep_alive is not UPGRADED:  # (a data connection now: the splice has it)
+                conn.close()
 
     async def _serve_one(self, conn: _Conn, reader, writer) -> bool:
         timeout = self.config.idle_timeout
@@ -33442,6 +36148,8 @@ class RelayServer:
                 conn.busy = False
                 await self._linger(reader, writer, LINGER_MAX_BYTES)
                 return False
+            if method == "POST" and path.startswith("/relay/v1/dial/"):
+                return await self._dial(conn, reader, writer, path, headers, length)
             host = next((v for k, v in headers if k.lower() == "host"), "")
             limit = self._body_limit(path, host)
             if length > limit:
@@ -33477,6 +36185,7 @@ class RelayServer:
                 await self._linger(reader, writer, LINGER_MAX_BYTES)
                 return False
             request = RelayRequest(method, path, query, headers, body, conn.peer, keep_alive)
+            request.scheme = conn.scheme
             started = time.perf_counter()
             status, out_headers, out_body = await self._route(request)
             await self._send(writer, status, out_headers, out_body, keep_alive)
@@ -33491,6 +36200,36 @@ class RelayServer:
             return keep_alive
         finally:
             conn.busy = False
+
+    async def _dial(self, conn: _Conn, reader, writer, path: str, headers: list, length: int):
+        """`POST /relay/v1/dial/<serverId>/<token>` (Upgrade: notesvc-splice): a server's
+        data connection for a client waiting on the TLS port. 101 and the splice, or 403
+        (a wrong, used or expired token) and close."""
+        m = re.match(r"^/relay/v1/dial/([^/]+)/([^/]+)$", path)
+        upgrade = next((v for k, v in headers if k.lower() == "upgrade"), "")
+        token = next((v for k, v in headers if k.lower() == "x-relay-token"), "")
+        if self.front is None:
+            answer = self._error(404, "this relay does not offer passthrough")
+        elif not m or length != 0 or upgrade.strip().lower() != SPLICE_UPGRADE:
+            answer = self._error(400, f"a dial is a POST with Upgrade: {SPLICE_UPGRADE}, no body")
+        else:
+            try:
+                self.hub.check_token(m.group(1), token)
+                dial = self.front.take_dial(m.group(1), m.group(2))
+                if dial is None:
+                    raise ApiError(403, "FORBIDDEN", "no client waits under that dial token")
+            except ApiError as e:
+                answer = self._error(e.status_code, e.message, e.code)
+            else:
+                writer.write(
+                    b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                    + f"Upgrade: {SPLICE_UPGRADE}\r\n\r\n".encode()
+                )
+                early = bytes(reader._buffer) if getattr(reader, "_buffer", None) else b""
+                await self.front.join(dial, writer, early)
+                return UPGRADED
+        await self._send(writer, *answer, False)
+        return False
 
     async def _linger(self, reader, writer, budget: int) -> None:
         """After an early error: shut the sending side (the answer is out), then read and
@@ -33640,7 +36379,7 @@ class RelayServer:
 
     def base_url(self, req: RelayRequest) -> str:
         environ = {
-            "wsgi.url_scheme": "http",
+            "wsgi.url_scheme": req.scheme,
             "HTTP_HOST": req.header("Host"),
             "REMOTE_ADDR": req.peer,
             "SERVER_PORT": str(self.config.port),
@@ -33660,6 +36399,15 @@ class RelayServer:
             "uptimeSeconds": round(time.time() - self.started, 3),
             "servers": len(self.hub.servers),
             "queued": sum(len(slot.queue) for slot in self.hub.servers.values()),
+            **({"passthrough": self.passthrough_stats()} if self.front is not None else {}),
+        }
+
+    def passthrough_stats(self) -> dict:
+        return {
+            "servers": sum(1 for s in self.hub.servers.values() if s.passthrough),
+            **self.front.stats(),
+            "challenges": len(self.challenges.values),
+            "dns": f"updates to {self.config.relay_dns_update}" if self.updater else "own",
         }
 
     def info(self, req: RelayRequest) -> dict:
@@ -33668,7 +36416,17 @@ class RelayServer:
             "domain": self.domain or None,
             "perServerOrigins": bool(self.domain),
             "publicUrl": self.config.public_url or self.base_url(req),
+            "passthrough": self.front is not None,
+            **({"tlsPort": self.tls_port()} if self.front is not None else {}),
         }
+
+    def tls_port(self) -> int:
+        """Return the port clients reach <id>.D on: SERVICE_PUBLIC_URL's when it is https
+        (a proxy in front), else the TLS port this relay listens on."""
+        parts = urllib.parse.urlsplit(self.config.public_url)
+        if parts.scheme == "https":
+            return parts.port or 443
+        return self.front.port if self.front is not None else 0
 
     def server_origin(self, req: RelayRequest, server_id: str) -> str:
         """Return https://<serverId>.<domain>[:port]: the scheme and port of the relay's
@@ -33753,8 +36511,12 @@ class RelayServer:
             raise bad_request("the server id must be 20 characters of a-z and 2-7")
         if code and not RELAY_CODE_RE.match(code):
             raise bad_request("a relay code is 1-64 letters, digits and dashes")
-        self.hub.register(server_id, token, code, self.client_addr(req))
-        return {"registered": True, "serverId": server_id}
+        passthrough = body.get("passthrough", False)
+        if not isinstance(passthrough, bool):
+            raise bad_request("passthrough must be true or false")
+        offered = self.front is not None
+        self.hub.register(server_id, token, code, self.client_addr(req), passthrough and offered)
+        return {"registered": True, "serverId": server_id, "passthrough": offered}
 
     async def poll(self, req: RelayRequest, server_id: str):
         request = await self.hub.poll(server_id, req.header("X-Relay-Token"))
@@ -33783,6 +36545,46 @@ class RelayServer:
         token = field(body, "token", max_len=256)
         self.hub.set_code(code, server_id, token, self.client_addr(req))
         return {"relayCode": code.lower(), "serverId": server_id}
+
+    async def acme(self, req: RelayRequest, server_id: str) -> dict:
+        """PUT /relay/v1/acme/<serverId> {values}: the `TXT _acme-challenge.<id>.D` of
+        that server, set only with its token (X-Relay-Token) while it is registered here;
+        DELETE clears it. Gone after 10 minutes."""
+        if self.front is None:
+            raise not_found("this relay does not offer passthrough")
+        self.hub._slot(server_id, req.header("X-Relay-Token"))
+        values = []
+        if req.method == "PUT":
+            values = self._json(req).get("values")
+            if (
+                not isinstance(values, list)
+                or not 1 <= len(values) <= CHALLENGE_MAX_VALUES
+                or not all(
+                    isinstance(v, str)
+                    and 1 <= len(v) <= CHALLENGE_MAX_BYTES
+                    and re.fullmatch(r"[!-~]+", v)
+                    for v in values
+                )
+            ):
+                raise bad_request(
+                    f"values: 1-{CHALLENGE_MAX_VALUES} strings of 1-{CHALLENGE_MAX_BYTES} "
+                    "printable ASCII characters"
+                )
+        try:
+            if self.updater is not None and values:
+                await self.updater.set(server_id, values)
+            elif self.updater is not None:
+                await self.updater.clear(server_id)
+            elif values:
+                self.challenges.set(server_id, values)
+            else:
+                self.challenges.clear(server_id)
+        except DnsError as e:
+            code = "RATE_LIMITED" if e.rcode == 5 and self.updater is None else "UPSTREAM_ERROR"
+            raise ApiError(429 if code == "RATE_LIMITED" else 502, code, str(e)) from None
+        except OSError as e:
+            raise ApiError(502, "UPSTREAM_ERROR", f"the DNS server: {e}") from None
+        return {"name": f"_acme-challenge.{server_id}.{self.domain}", "values": values}
 
     def pair(self, req: RelayRequest, code: str) -> dict:
         server_id = self.hub.pair(code)
@@ -33964,6 +36766,9 @@ def _private_path(path: str) -> str:
 _SECRET_PATH_RE = re.compile(r"^(/ics/|/s/)[^/]*?([^/]{0,4}?)(?:\.ics)?$")
 
 
+# == src/notesvc/relay_client.py ==============================================
+# The server's link to its relay: RelayClient registers, long-polls, answers, dials in.
+
 RELAY_WORKERS = 4  # relayed requests a server answers at once (change-feed waits: half)
 
 
@@ -33974,11 +36779,18 @@ class RelayClient:
     small worker pool, so a slow request never holds up the next poll.
     """
 
-    def __init__(self, app: NotesApp):
+    def __init__(self, app: NotesApp, listener: Any = None):
         import concurrent.futures
 
         self.app, self.svc = app, app.service
         self.url = self.svc.config.relay_url
+        # passthrough (SERVICE_RELAY_PASSTHROUGH=auto): `listener` is waitress's, which
+        # spliced connections join as channels of their own
+        self.passthrough = (
+            Passthrough(self.svc, listener, self._call, self.register)
+            if self.svc.config.relay_passthrough == "auto"
+            else None
+        )
         self.state, self.error, self.since = "connecting", None, iso(utcnow())
         self._stop = threading.Event()
         self._registered_code = None
@@ -33994,9 +36806,17 @@ class RelayClient:
     def stop(self) -> None:
         self._stop.set()
         self._workers.shutdown(wait=False)
+        if self.passthrough is not None:
+            self.passthrough.stop()
 
     def status(self) -> dict:
-        return {"url": self.url, "state": self.state, "since": self.since, "lastError": self.error}
+        found = {"url": self.url, "state": self.state, "since": self.since, "lastError": self.error}
+        found["mode"] = "relayed"  # TLS ends at the relay (or before it): it can read requests
+        if self.passthrough is not None:
+            found["passthrough"] = self.passthrough.status()
+            if self.passthrough.active:
+                found["mode"] = "passthrough"
+        return found
 
     def _set(self, state: str, error: str | None = None) -> None:
         if state != self.state:
@@ -34047,12 +36867,17 @@ class RelayClient:
         """Register this server (and its relay code); UpstreamError, or RelayRefused."""
         st = self.svc.state.read()
         sid, code = st["serverId"], st["relayCode"]
-        status, answer = self._call(
-            "POST", f"/relay/v1/register/{sid}", {"token": st["relayToken"], "relayCode": code}
-        )
+        asked = self.passthrough is not None and self.passthrough.wanted()
+        body = {"token": st["relayToken"], "relayCode": code}
+        if asked:  # a certificate for <id>.D in hand: the relay splices its clients to us
+            body["passthrough"] = True
+        status, answer = self._call("POST", f"/relay/v1/register/{sid}", body)
         said = [st["relayToken"]]  # a relay that says it back: never into the log or the info
         if status != 200:
             raise RelayRefused(status, scrub(_relay_message(answer, status), said))
+        if self.passthrough is not None:
+            data = answer.get("data") if isinstance(answer, dict) else None
+            self.passthrough.registered(asked, data if isinstance(data, dict) else {})
         status, answer = self._call(
             "POST", f"/relay/v1/code/{code}", {"serverId": sid, "token": st["relayToken"]}
         )
@@ -34073,6 +36898,8 @@ class RelayClient:
             if parts.scheme in ("http", "https") and valid_host(f"{sid}.{domain}"):
                 port = f":{parts.port}" if parts.port else ""
                 origin = f"{parts.scheme}://{sid}.{domain}{port}"
+        if self.passthrough is not None and isinstance(info, dict):
+            origin = self.passthrough.learn(info, sid) or origin  # https://<id>.D, TLS here
         known = {"relay": self.url, "origin": origin}
         if self.svc.state.read().get("relayOrigin") != known:
             self.svc.state.update(lambda data: data.update(relayOrigin=known))
@@ -34092,7 +36919,10 @@ class RelayClient:
                     if stale or self.svc.state.read()["relayCode"] != self._registered_code:
                         self.register()  # the key (and with it the relay code) was rotated
                     request = self._poll()
-                    if request is not None:
+                    if request is not None and request.get("kind") == "dial":
+                        if self.passthrough is not None:  # a client on the TLS port: dial in
+                            self.passthrough.dial(request)
+                    elif request is not None:
                         self._workers.submit(self._serve, request)
             except RelayRefused as e:
                 self._set("refused", e.message)
@@ -34128,7 +36958,11 @@ class RelayClient:
             self._call(
                 "POST",
                 f"/relay/v1/reply/{sid}/{request['id']}",
-                {"status": status, "headers": headers, "body": _b64(body)},
+                {
+                    "status": status,
+                    "headers": headers,
+                    "body": base64.b64encode(body).decode("ascii"),
+                },
                 timeout=30,
             )
         except Exception:  # the client gets a 504 from the relay; we log why
@@ -34136,6 +36970,8 @@ class RelayClient:
 
     def _dispatch(self, request: dict) -> tuple:
         """Run one relayed request through the app in-process; return (status, headers, body)."""
+        if self.passthrough is not None:  # (the relay could read this one: counted)
+            self.passthrough.terminated.add()
         body = base64.b64decode(request.get("body", ""))
         sid = self.svc.state.read()["serverId"]
         # "" when the request came to this server's own origin on the relay, else /r/<id>
@@ -34527,6 +37363,7 @@ def get_info(svc: Service) -> dict:
         else {
             "url": svc.config.relay_url or "(this server)",
             "state": "self" if not svc.config.relay_url else "off",
+            "mode": "self" if not svc.config.relay_url else "off",
         },
     }
 
@@ -35174,8 +38011,10 @@ def list_changes(svc: Service) -> dict:
     if page["changes"] or not wait:
         return page
     # A waiting feed holds a worker thread: at most max_waiters at once, so the others
-    # keep serving (relayed requests have their own small pool: half of it).
-    if bottle.request.environ.get("notesvc.relayed"):
+    # keep serving (relayed requests have their own small pool: half of it; spliced ones,
+    # served by waitress as direct ones are, share the direct pool).
+    env = bottle.request.environ
+    if env.get("notesvc.relayed") and not env.get("notesvc.spliced"):
         pool, cap = "relay", min(svc.config.max_waiters, RELAY_WORKERS // 2)
     else:
         pool, cap = "direct", svc.config.max_waiters
@@ -36678,7 +39517,8 @@ def _receive_import_form(svc: Service, parsed: Any, spool: Any, fields: dict) ->
 def get_export(svc: Service):
     """GET /export.zip: the notes, attachments and other files the key sees, streamed."""
     principal = request_principal()
-    if bottle.request.environ.get("notesvc.relayed"):  # the relay carries bounded answers
+    env = bottle.request.environ
+    if env.get("notesvc.relayed") and not env.get("notesvc.spliced"):  # bounded by the relay
         total = sum(st.st_size for _, _, st in export_files(svc.config.root, principal))
         if total > svc.config.max_body_bytes:
             raise too_large_for_relay(total, svc.config.max_body_bytes)
@@ -41751,6 +44591,7 @@ def make_server(app: Callable, config: Config):
         for listener in sockets.values():
             if isinstance(listener, waitress.server.BaseWSGIServer):
                 listener.__class__ = _hardened(type(listener))
+                server.notesvc_listener = listener  # spliced connections join it (passthrough)
                 # the limit of every body but an attachment's (Parser, in _hardened)
                 adj = listener.adj
                 listener.adj.notesvc_limits = {
@@ -41878,7 +44719,8 @@ def cmd_serve(config: Config) -> int:
         signal.signal(signal.SIGTERM, stop)  # systemd's stop: shut down cleanly, exit 0
         signal.signal(signal.SIGINT, stop)  # Ctrl-C, likewise
         if config.relay_url and config.pairing == "relay":
-            app.service.relay_client = RelayClient(app).start()
+            listener = getattr(server, "notesvc_listener", None)
+            app.service.relay_client = RelayClient(app, listener).start()
         effective = config.state_dir / EFFECTIVE_FILE
         try:
             record = effective_record(config, server.effective_port)
@@ -41912,17 +44754,24 @@ def cmd_relay(config: Config) -> int:
         try:
             port = await relay.start()
         except OSError as e:
-            raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
+            what = "a port it needs (HTTP, TLS or DNS)" if relay.front else f"{config.port}"
+            raise ConfigError(f"cannot listen on {config.host}, {what}: {e.strerror}") from e
         settle_after_start()  # what compiling this module left free
         host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        print(
-            f"notesvc {__version__} relay\n  listening on http://{host}:{port}"
-            f" (bind {config.host}:{port})\n"
-            f"  servers register with SERVICE_RELAY_URL=http://<this host>:{port}\n"
+        lines = [
+            f"notesvc {__version__} relay",
+            f"  listening on http://{host}:{port} (bind {config.host}:{port})",
+            f"  servers register with SERVICE_RELAY_URL=http://<this host>:{port}",
             f"  phones open http://<this host>:{port}/?relayCode=<the server's relay code>",
-            file=sys.stderr,
-            flush=True,
-        )
+        ]
+        domain = config.relay_domain
+        if relay.front is not None:  # passthrough: the TLS port and the DNS
+            lines.append(f"  passthrough: TLS on {host}:{relay.front.port} for <serverId>.{domain}")
+            if relay.dns is not None:
+                lines.append(f"  dns on {host}:{relay.dns.port} (udp, tcp) for {domain}")
+            else:
+                lines.append(f"  dns: challenge records to {config.relay_dns_update} (RFC 2136)")
+        print("\n".join(lines), file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -41930,7 +44779,7 @@ def cmd_relay(config: Config) -> int:
         await stop.wait()
         log.info("relay stopping")
         relay.hub.close()  # long-polls and waiting clients answer now
-        relay.server.close()
+        relay.close()
         await asyncio.sleep(0.2)  # let those answers go out
 
     asyncio.run(run())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import ipaddress
 import os
@@ -152,6 +153,44 @@ def _domain(raw: str) -> str:
     return name
 
 
+def _host_port(raw: str) -> str:
+    """Parse host:port ([v6]:port) of a DNS server (SERVICE_RELAY_DNS_UPDATE); "" is none."""
+    raw = raw.strip()
+    if not raw:
+        return ""
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{raw!r} is not host:port (e.g. 127.0.0.1:53)")
+    return raw
+
+
+def _addresses(raw: str) -> tuple:
+    """Parse a comma-separated list of IP addresses (SERVICE_RELAY_DNS_ADDRESSES)."""
+    found = []
+    for item in raw.split(","):
+        item = item.strip().strip("[]")
+        if item:
+            try:
+                found.append(str(ipaddress.ip_address(item)))
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address") from None
+    return tuple(found)
+
+
+def _tsig(raw: str) -> str:
+    """Parse SERVICE_RELAY_DNS_TSIG: <key name>:<base64 HMAC-SHA256 secret>."""
+    raw = raw.strip()
+    if raw:
+        name, sep, secret = raw.partition(":")
+        try:
+            key = base64.b64decode(secret.strip(), validate=True)
+        except ValueError:
+            key = b""
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]{1,250}", name) or len(key) < 16:
+            raise ValueError("give it as <key name>:<base64 secret of at least 16 bytes>")
+    return raw
+
+
 def _origins(raw: str) -> tuple:
     origins = tuple(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
     for origin in origins:
@@ -274,6 +313,32 @@ SETTINGS = (
         "relay or open-port",
     ),
     Setting("relay_url", "SERVICE_RELAY_URL", "--relay-url", "", _url, "relay address"),
+    Setting(
+        "relay_passthrough",
+        "SERVICE_RELAY_PASSTHROUGH",
+        "",
+        "auto",
+        _choice("auto", "off"),
+        "auto: when the relay offers it, TLS ends on this server (a certificate for "
+        "<serverId>.<domain> by ACME); off: never",
+    ),
+    Setting(
+        "acme_directory",
+        "SERVICE_ACME_DIRECTORY",
+        "",
+        "https://acme-v02.api.letsencrypt.org/directory",
+        _url,
+        "the ACME CA's directory for that certificate",
+    ),
+    Setting("acme_email", "SERVICE_ACME_EMAIL", "", "", _text, "contact for the ACME account"),
+    Setting(
+        "acme_ca_file",
+        "SERVICE_ACME_CA_FILE",
+        "",
+        "",
+        _text,
+        "a CA file to trust for the ACME directory's own HTTPS (a test CA)",
+    ),
     Setting("client_url", "SERVICE_CLIENT_URL", "", "", _url, "links.connect.hosted base"),
     Setting("test_client_url", "SERVICE_TEST_CLIENT_URL", "", "", _url, "links.connect.testHosted"),
     Setting("agent_provider", "SERVICE_AGENT_PROVIDER", "", "local", _text, "agent provider"),
@@ -423,6 +488,68 @@ SETTINGS = (
         "64",
         _int_range(1, 100000),
         "relay role: idle connections kept per client address (the oldest closed first)",
+    ),
+    Setting(
+        "relay_tls",
+        "SERVICE_RELAY_TLS",
+        "",
+        "off",
+        _choice("off", "passthrough"),
+        "relay role: passthrough: splice <serverId>.<domain> to its server by SNI, TLS ending "
+        "there (needs SERVICE_RELAY_DOMAIN)",
+    ),
+    Setting(
+        "relay_tls_port",
+        "SERVICE_RELAY_TLS_PORT",
+        "",
+        "443",
+        _port,
+        "relay role: the TLS port of passthrough (may be the HTTP port: told apart by the "
+        "first byte)",
+    ),
+    Setting(
+        "relay_tls_cert",
+        "SERVICE_RELAY_TLS_CERT",
+        "",
+        "",
+        _text,
+        "relay role: the relay's own certificate (PEM chain) for <domain>, and *.<domain> to "
+        "terminate servers not in passthrough",
+    ),
+    Setting("relay_tls_key", "SERVICE_RELAY_TLS_KEY", "", "", _text, "relay role: its private key"),
+    Setting(
+        "relay_dns_port",
+        "SERVICE_RELAY_DNS_PORT",
+        "",
+        "53",
+        _port,
+        "relay role: the port of its DNS for <domain> (UDP and TCP), with passthrough",
+    ),
+    Setting(
+        "relay_dns_addresses",
+        "SERVICE_RELAY_DNS_ADDRESSES",
+        "",
+        "",
+        _addresses,
+        "relay role: the A/AAAA answers for <domain> and *.<domain> (default: SERVICE_HOST "
+        "when it is one address, else this machine's default-route address)",
+    ),
+    Setting(
+        "relay_dns_update",
+        "SERVICE_RELAY_DNS_UPDATE",
+        "",
+        "",
+        _host_port,
+        "relay role: host:port of a DNS server to set challenge records in by RFC 2136 "
+        "updates, instead of answering DNS itself",
+    ),
+    Setting(
+        "relay_dns_tsig_secret",
+        "SERVICE_RELAY_DNS_TSIG",
+        "",
+        "",
+        _tsig,
+        "relay role: the TSIG key of those updates, <key name>:<base64 HMAC-SHA256 secret>",
     ),
     Setting(
         "pairing_ttl",
@@ -575,6 +702,10 @@ class Config:
     setup_window: int
     pairing: str
     relay_url: str
+    relay_passthrough: str
+    acme_directory: str
+    acme_email: str
+    acme_ca_file: str
     client_url: str
     test_client_url: str
     agent_provider: str
@@ -606,6 +737,14 @@ class Config:
     relay_registrations_per_minute: int
     relay_domain: str
     relay_max_idle_per_address: int
+    relay_tls: str
+    relay_tls_port: int
+    relay_tls_cert: str
+    relay_tls_key: str
+    relay_dns_port: int
+    relay_dns_addresses: tuple
+    relay_dns_update: str
+    relay_dns_tsig_secret: str
     pairing_ttl: int
     device_idle_days: int
     max_attachment_bytes: int
@@ -660,5 +799,9 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
             f"{values['threads']} SERVICE_THREADS to other requests; use at most "
             f"{values['threads'] - 1}"
         )
+    if values["relay_tls"] == "passthrough" and not values["relay_domain"]:
+        raise ConfigError("SERVICE_RELAY_TLS: passthrough needs SERVICE_RELAY_DOMAIN")
+    if values["relay_dns_update"] and not values["relay_dns_tsig_secret"]:
+        raise ConfigError("SERVICE_RELAY_DNS_TSIG: SERVICE_RELAY_DNS_UPDATE is set: give its key")
     values["root"] = values["root"].resolve()
     return Config(**values)

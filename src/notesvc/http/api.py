@@ -59,7 +59,7 @@ from notesvc.notes.trash import attachment_or_note_path
 from notesvc.plugins import attachment_linkers, move_and_relink, relinkable, update_links
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import MAX_MESSAGE_CHARS, MCP_VERSIONS
-from notesvc.relay import RELAY_WORKERS
+from notesvc.relay_client import RELAY_WORKERS
 from notesvc.search.hybrid import find_notes, related_notes
 from notesvc.search.text import MAX_QUERY_CHARS, Query
 from notesvc.service import Service
@@ -214,6 +214,7 @@ def get_info(svc: Service) -> dict:
         else {
             "url": svc.config.relay_url or "(this server)",
             "state": "self" if not svc.config.relay_url else "off",
+            "mode": "self" if not svc.config.relay_url else "off",
         },
     }
 
@@ -861,8 +862,10 @@ def list_changes(svc: Service) -> dict:
     if page["changes"] or not wait:
         return page
     # A waiting feed holds a worker thread: at most max_waiters at once, so the others
-    # keep serving (relayed requests have their own small pool: half of it).
-    if bottle.request.environ.get("notesvc.relayed"):
+    # keep serving (relayed requests have their own small pool: half of it; spliced ones,
+    # served by waitress as direct ones are, share the direct pool).
+    env = bottle.request.environ
+    if env.get("notesvc.relayed") and not env.get("notesvc.spliced"):
         pool, cap = "relay", min(svc.config.max_waiters, RELAY_WORKERS // 2)
     else:
         pool, cap = "direct", svc.config.max_waiters
