@@ -50,8 +50,12 @@ data flows, each with the first line of its docstring:
   providers/polling.py    Channels that fetch their own updates.
   providers/reminders.py  Reminders: ⏰ lines sent through the channels.
   providers/embed.py      Embeddings: the endpoint's two wire formats and the background embedder.
+  providers/reader.py     The attachment reader: the text inside PDFs and images (pdftotext, OCR),
+                          for search.
   plugins.py              The Plugin record, loading, links and the built-in plugins.
   tools.py                The built-in tools MCP clients and the agent may call.
+  webclip.py              Clips: a web page as a Markdown note (the standard library's parser),
+                          images attached.
   transfer/plan.py        Imports: the plan, its bounds, and writing it through the stores.
   transfer/formats.py     The importers: folders (Obsidian, Notion), Keep, Evernote, Joplin.
   transfer/export.py      Export: a zip of everything a key sees.
@@ -87,6 +91,8 @@ data flows, each with the first line of its docstring:
                           file.
   http/people.py          Handlers for people and shared folders: a household on one server
                           (docs/api.md: People).
+  http/capture.py         Handlers for capture: clips (/capture/clip, the /clip page), voice notes,
+                          file text.
   http/routes.py          The route table and OpenAPI.
   http/app.py             NotesApp (the middleware) and create_app.
   cli.py                  The command line: parser, cmd_* functions, main().
@@ -160,6 +166,7 @@ import argparse
 import array
 import asyncio
 import base64
+import binascii
 import bisect
 import collections
 import contextlib
@@ -173,6 +180,7 @@ import gzip
 import hashlib
 import heapq
 import hmac
+import html
 import importlib.util
 import io
 import ipaddress
@@ -195,6 +203,7 @@ import socket
 import ssl
 import stat
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -298,6 +307,22 @@ def _setup_local_only(raw: str) -> str:
     """Parse SERVICE_SETUP_LOCAL_ONLY: auto, or true / false (as _bool takes them)."""
     word = raw.strip().lower()
     return "auto" if word == "auto" else ("true" if _bool(raw) else "false")
+
+
+def _attachment_text(raw: str) -> str:
+    """Parse SERVICE_ATTACHMENT_TEXT: auto (read files when the tools are there) or off."""
+    word = raw.strip().lower()
+    if word in ("auto", "off"):
+        return word
+    raise ValueError(f"{raw!r} is not auto or off")
+
+
+def _ocr_langs(raw: str) -> str:
+    """Parse SERVICE_OCR_LANGS: tesseract's language codes joined by + (eng, deu+eng)."""
+    text = raw.strip()
+    if not re.fullmatch(r"[A-Za-z_]{2,32}(\+[A-Za-z_]{2,32}){0,7}", text):
+        raise ValueError(f"{raw!r} is not tesseract languages such as eng or deu+eng")
+    return text
 
 
 def _duration(lo: int, hi: int) -> Callable[[str], int]:
@@ -798,6 +823,18 @@ SETTINGS = (
     Setting("transcribe_model", "SERVICE_TRANSCRIBE_MODEL", "", "whisper-1", _text, "model"),
     Setting("transcribe_api_key", "SERVICE_TRANSCRIBE_API_KEY", "", "", _text, "transcription key"),
     Setting(
+        "attachment_text",
+        "SERVICE_ATTACHMENT_TEXT",
+        "",
+        "auto",
+        _attachment_text,
+        "read the text inside PDFs and images for search (auto: when pdftotext or tesseract is"
+        " installed; off)",
+    ),
+    Setting(
+        "ocr_langs", "SERVICE_OCR_LANGS", "", "eng", _ocr_langs, "tesseract languages (deu+eng)"
+    ),
+    Setting(
         "timezone",
         "SERVICE_TIMEZONE",
         "",
@@ -951,6 +988,8 @@ class Config:
     transcribe_url: str
     transcribe_model: str
     transcribe_api_key: str
+    attachment_text: str
+    ocr_langs: str
     timezone: str
     max_import_bytes: int
     max_import_expanded_bytes: int
@@ -5795,6 +5834,7 @@ class AttachmentStore(FileTree):
         self.trash = trash
         self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
+        self.listeners: list = []  # fn(path) after a file is placed (the attachment reader)
         self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()  # NoteStore's
 
     def make_root(self) -> None:
@@ -5941,7 +5981,10 @@ class AttachmentStore(FileTree):
                 fsync_dir(target.parent)
                 if target.parent != self.root:
                     fsync_dir(self.root)
-                return self.record(path, os.stat(target)), not exists
+                rec = self.record(path, os.stat(target))
+            for listener in self.listeners:
+                listener(path)
+            return rec, not exists
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -11869,12 +11912,46 @@ def find_notes(
     if mode and mode not in MODES:
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
+    reader = getattr(svc, "reader", None)
+    in_files = []
+    if reader is not None and mode != "semantic":
+        in_files = reader.find(query, folder, snippets=offset + limit)
+    if in_files and query.excludes:  # a note whose own words the query excludes stays out
+        out = svc.index.excluded(query.excludes, [n for n, _, _ in in_files])
+        in_files = [hit for hit in in_files if hit[0] not in out]
+    page = (offset + limit, 0) if in_files else (limit, offset)
     if mode != "keyword" and embedder is not None and not _lexical_only(query):
         vector = embedder.query_vector(_embedding_text(query))
         if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector, reach)
-    total, hits = svc.index.search(query, folder, limit, offset, reach=reach)
-    return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
+            found = _by_meaning(svc, query, folder, page, mode, vector, reach)
+            return _with_files(svc, found, in_files, limit, offset)
+    total, hits = svc.index.search(query, folder, *page, reach=reach)
+    found = {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
+    return _with_files(svc, found, in_files, limit, offset)
+
+
+def _with_files(svc: Service, found: dict, in_files: list, limit: int, offset: int) -> dict:
+    """Return the answer with the notes found through the text of files they link: a note
+    found by its own words too keeps its own snippet and adds the file's score; one found
+    only in a file gets the file's snippet (`scan.pdf, p. 3: ...`). `found` holds the first
+    offset + limit results when in_files has any (the page is cut here)."""
+    if not in_files:
+        return found
+    results = {p: [t, s, sn] for p, t, s, sn in found["results"]}
+    fresh = [n for n, _, _ in in_files if n not in results]
+    titles = svc.index.titles(fresh)
+    for note, score, snippet in in_files:
+        if note in results:
+            results[note][1] = round(results[note][1] + score, 4)
+        elif note in titles:  # (a note the index does not hold is not answered)
+            results[note] = [titles[note], score, snippet]
+    ranked = sorted(results.items(), key=lambda kv: -kv[1][1])[offset : offset + limit]
+    added = sum(1 for n in fresh if n in titles)
+    return {
+        **found,
+        "total": found["total"] + added,
+        "results": [(p, t, s, sn) for p, (t, s, sn) in ranked],
+    }
 
 
 def _by_meaning(
@@ -12484,6 +12561,17 @@ def reach_of(data: dict, grant: dict | None) -> Reach:
         return EVERYTHING
     base = person_reach(data, grant["person"]) if grant.get("person") else EVERYTHING
     return base.narrowed(grant.get("folder") or "", grant["scope"])
+
+
+def file_joins_note(data: dict, note: str, file: str) -> bool:
+    """Return whether a file's text may join a note's search entry: when every principal
+    that reaches the note (the owner, each person, each grant of the state `data`) reaches
+    the file too. Otherwise the link stays, but the file is not read for that note."""
+    reaches = [person_reach(data, p["id"]) for p in data.get("people", [])]
+    for grant in data.get("grants", []):
+        if isinstance(grant, dict) and grant.get("scope") in SCOPE_RANK:
+            reaches.append(reach_of(data, grant))
+    return all(r.sees(file) for r in reaches if r.sees(note))
 
 
 def principal_of(data: dict, grant: dict) -> Principal:
@@ -14313,6 +14401,7 @@ class Service:
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
         self.embedder: Any = None  # Embedder: the notes' vectors, when embeddings are on
+        self.reader: Any = None  # FileTextReader: the text inside PDFs and images
         # ... and made on first use, by the function named (a request of theirs):
         self.task_book: Any = None  # TaskBook: the tasks' UIDs and sync tokens (task_book)
         self.dav: Any = None  # DavState: WebDAV's locks, properties, ETags (dav_state)
@@ -14394,7 +14483,7 @@ class Service:
         self._spawn(lambda: expire_loop(self.notes, self.trash, self._stop), "notesvc-expire")
         if self.config.rescan_seconds:  # its first check runs at once: searches need not wait
             self._spawn(self._rescan_loop, "notesvc-rescan")
-        for component in (self.pollers, self.reminders, self.embedder):
+        for component in (self.pollers, self.reminders, self.embedder, self.reader):
             if component is not None:
                 component.start()
         return self
@@ -14500,7 +14589,7 @@ class Service:
     def close(self) -> None:
         """Stop background work and persist the index (once; a read-only service has none)."""
         self._stop.set()
-        for component in (self.pollers, self.reminders, self.embedder):
+        for component in (self.pollers, self.reminders, self.embedder, self.reader):
             if component is not None:
                 component.close()
         self.journal.close()  # long-polls answer now
@@ -17629,6 +17718,834 @@ def build_embedder(svc: Service) -> Embedder | None:
     return Embedder(svc, EmbedClient(cfg.embed_url, cfg.embed_model, cfg.embed_key))
 
 
+# == src/notesvc/providers/reader.py ==========================================
+# The attachment reader: the text inside PDFs and images (pdftotext, OCR), for search.
+
+# -- limits -----------------------------------------------------------------------------------
+
+PAGE_SECONDS = 60  # a page's tools, together (a hanging tool is killed here)
+MAX_PAGES = 200  # a file's pages read (the rest said, not read)
+MAX_TEXT_BYTES = 10_000_000  # a file's text kept (the rest said, not kept)
+MAX_PIXELS = 40_000_000  # images larger than this (by their header) are skipped and said
+MAX_FILE_BYTES = 1 << 30  # files larger are not read at all
+CHILD_MEMORY = 1 << 30  # RLIMIT_AS of each child
+SCAN_SECONDS = 8.0  # a look for new files (uploads through the API wake it at once)
+PDF_DPI_LONG_SIDE = 3000  # pdftoppm's image of a page: its longer side, in pixels
+TEXT_LAYER_CHARS = 20  # a page with fewer letters than this has no text layer: OCR it
+READ_EXTENSIONS = {
+    "pdf": "pdf",
+    **dict.fromkeys(("png", "jpg", "jpeg", "gif", "bmp", "tif", "tiff", "webp"), "image"),
+}
+STORE_VERSION = 1
+
+
+# -- what a file is, by its bytes -------------------------------------------------------------
+
+
+def sniff(head: bytes) -> str | None:
+    """Return "pdf", or an image's type ("png", "jpeg", "gif", "bmp", "tiff", "webp") by a
+    file's first bytes; None for anything else (a PDF that isn't one is not read)."""
+    if head.startswith(b"%PDF-"):
+        return "pdf"
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    if head[:2] == b"BM":
+        return "bmp"
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return "tiff"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def image_size(f: Any, kind: str) -> tuple | None:
+    """Return (width, height) read from an image's header (the file object at 0), None when
+    the header does not say. Never decodes the pixels."""
+    head = f.read(64)
+    try:
+        if kind == "png":
+            return struct.unpack(">II", head[16:24])
+        if kind == "gif":
+            return struct.unpack("<HH", head[6:10])
+        if kind == "bmp":
+            w, h = struct.unpack("<ii", head[18:26])
+            return abs(w), abs(h)
+        if kind == "webp":
+            chunk = head[12:16]
+            if chunk == b"VP8X":
+                w = int.from_bytes(head[24:27], "little") + 1
+                h = int.from_bytes(head[27:30], "little") + 1
+                return w, h
+            if chunk == b"VP8L":
+                bits = int.from_bytes(head[21:25], "little")
+                return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+            if chunk == b"VP8 ":
+                w, h = struct.unpack("<HH", head[26:30])
+                return w & 0x3FFF, h & 0x3FFF
+            return None
+        if kind == "jpeg":
+            return _jpeg_size(f)
+        if kind == "tiff":
+            return _tiff_size(f, head)
+    except (struct.error, OSError, ValueError):
+        return None
+    return None
+
+
+def _jpeg_size(f: Any) -> tuple | None:
+    f.seek(2)
+    for _ in range(1000):  # markers up to the frame header
+        byte = f.read(1)
+        while byte and byte != b"\xff":
+            byte = f.read(1)
+        while byte == b"\xff":
+            byte = f.read(1)
+        if not byte:
+            return None
+        marker = byte[0]
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            continue
+        length = struct.unpack(">H", f.read(2))[0]
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            h, w = struct.unpack(">xHH", f.read(5))
+            return w, h
+        f.seek(length - 2, 1)
+    return None
+
+
+def _tiff_size(f: Any, head: bytes) -> tuple | None:
+    order = "<" if head[:2] == b"II" else ">"
+    f.seek(struct.unpack(order + "I", head[4:8])[0])
+    (count,) = struct.unpack(order + "H", f.read(2))
+    found: dict = {}
+    for _ in range(min(count, 512)):
+        tag, kind, _n, value = struct.unpack(order + "HHI4s", f.read(12))
+        if tag in (256, 257):
+            fmt = order + ("H" if kind == 3 else "I")
+            found[tag] = struct.unpack(fmt, value[: struct.calcsize(fmt)])[0]
+    return (found[256], found[257]) if 256 in found and 257 in found else None
+
+
+# -- the tools, bounded ---------------------------------------------------------------------
+
+
+class Tools:
+    """The programs the reader runs, found on PATH once (None: not installed)."""
+
+    def __init__(self, which: Callable = shutil.which):
+        self.pdftotext = which("pdftotext")
+        self.pdftoppm = which("pdftoppm")
+        self.pdfinfo = which("pdfinfo")
+        self.tesseract = which("tesseract")
+
+    @property
+    def pdf(self) -> bool:
+        return bool(self.pdftotext and self.pdfinfo)
+
+    @property
+    def ocr(self) -> bool:
+        return bool(self.tesseract)
+
+    @property
+    def pdf_ocr(self) -> bool:
+        return bool(self.pdf and self.pdftoppm and self.tesseract)
+
+
+class ToolFailed(Exception):
+    """A tool ran over its time, or ended with an error (its message says which)."""
+
+
+def _child_limits() -> None:  # pragma: no cover - runs in the child, before exec
+    os.nice(19)
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def child_env() -> dict:
+    """Return the environment of a reader's child: one OpenMP thread, a C locale."""
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TMPDIR", "LANG")}
+    env.update({"OMP_THREAD_LIMIT": "1", "LC_ALL": "C.UTF-8"})
+    return env
+
+
+def run_tool(argv: list, timeout: float, limit: int = MAX_TEXT_BYTES) -> str:
+    """Return what a tool wrote (at most `limit` bytes, as UTF-8 text); ToolFailed when it
+    ran over `timeout` (killed) or failed. An argument list, never a shell: a file named
+    `; rm -rf ~` is a file name."""
+    if timeout <= 0:
+        raise ToolFailed(f"{Path(argv[0]).name}: no time left for this page")
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(  # noqa: S603 - the tools found on PATH, a file path
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=child_env(),
+                preexec_fn=_child_limits if sys.platform != "win32" else None,
+                close_fds=True,
+            )
+        except OSError as e:
+            raise ToolFailed(f"{Path(argv[0]).name} could not start: {e.strerror}") from None
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            stopped = f"{Path(argv[0]).name} ran over {timeout:.0f} s and was stopped"
+            raise ToolFailed(stopped) from None
+        out.seek(0)
+        data = out.read(limit)
+        if code != 0:
+            err.seek(0)
+            said = " ".join(err.read(300).decode("utf-8", "replace").split())
+            raise ToolFailed(f"{Path(argv[0]).name} failed ({code}): {said}"[:300])
+    return data.decode("utf-8", "replace")
+
+
+def children_cpu() -> float:
+    """Return the CPU seconds of this process's children that have ended."""
+    try:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+    except ImportError:  # pragma: no cover - Windows
+        return 0.0
+
+
+# -- the texts, kept by content hash ------------------------------------------------------------
+
+
+class TextStore:
+    """<state>/filetext/: a JSON-lines file per content hash. Its first line says what the
+    file is ({"v", "kind", "pages"}), then one line a page read ({"p", "text"}), then one
+    that ends it ({"done": true, "note"?}). A line cut short by a crash is left out when
+    read, and reading goes on after the last whole page."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._cache: collections.OrderedDict = collections.OrderedDict()  # hash -> pages
+        self._lock = threading.Lock()
+
+    def file(self, digest: str) -> Path:
+        return self.folder / f"{digest}.jsonl"
+
+    def load(self, digest: str) -> dict | None:
+        """Return {kind, pages (total), texts {page: text}, done, note} of a hash, None
+        when nothing was kept for it."""
+        try:
+            raw = self.file(digest).read_bytes()
+        except OSError:
+            return None
+        out: dict = {"kind": "", "pages": 0, "texts": {}, "done": False, "note": ""}
+        for line in raw.split(b"\n"):
+            try:
+                item = json.loads(line)
+            except ValueError:
+                continue  # the last line, cut short
+            if not isinstance(item, dict):
+                continue
+            if "kind" in item:
+                out["kind"], out["pages"] = str(item["kind"]), int(item.get("pages") or 0)
+            elif "p" in item and isinstance(item.get("text"), str):
+                out["texts"][int(item["p"])] = item["text"]
+            elif item.get("done"):
+                out["done"], out["note"] = True, str(item.get("note") or "")
+        return out
+
+    def append(self, digest: str, item: dict) -> None:
+        """Add a line (flushed and synced: a page once read is never read again)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        line = json.dumps(item, ensure_ascii=False).encode() + b"\n"
+        with open(self.file(digest), "ab") as f:
+            if f.tell():  # a line cut short by a crash: begin on a line of its own
+                with open(self.file(digest), "rb") as r:
+                    r.seek(-1, os.SEEK_END)
+                    if r.read(1) != b"\n":
+                        f.write(b"\n")
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        with self._lock:
+            self._cache.pop(digest, None)
+
+    def page(self, digest: str, page: int) -> str | None:
+        """Return one page's text (the file's texts kept for the next few asks)."""
+        with self._lock:
+            texts = self._cache.get(digest)
+            if texts is not None:
+                self._cache.move_to_end(digest)
+        if texts is None:
+            kept = self.load(digest)
+            texts = kept["texts"] if kept else {}
+            with self._lock:
+                self._cache[digest] = texts
+                while len(self._cache) > 16:
+                    self._cache.popitem(last=False)
+        return texts.get(page)
+
+    def digests(self) -> set:
+        try:
+            return {p.stem for p in self.folder.glob("*.jsonl")}
+        except OSError:
+            return set()
+
+    def drop(self, digest: str) -> None:
+        with contextlib.suppress(OSError):
+            self.file(digest).unlink()
+        with self._lock:
+            self._cache.pop(digest, None)
+
+
+class FileTextIndex(SearchIndex):
+    """The search index of the files' texts: a document per page, `<attachment>#<page>`,
+    in memory (built from the store at start), its texts read back from the store."""
+
+    def __init__(self, texts: TextStore, digest_of: Callable):
+        super().__init__()
+        self.texts = texts
+        self.digest_of = digest_of  # attachment path -> its content hash (or None)
+
+    def _read(self, path: str, limit: int = -1) -> str | None:
+        file, _, page = path.rpartition("#")
+        digest = self.digest_of(file)
+        if digest is None or not page.isdigit():
+            return None
+        return self.texts.page(digest, int(page))
+
+
+def file_label(path: str, page: int, kind: str) -> str:
+    """Return how a snippet names where it was found: `scan.pdf, p. 3`, `board.jpg`."""
+    name = path.rsplit("/", 1)[-1]
+    return f"{name}, p. {page}" if kind == "pdf" else name
+
+
+# -- the reader -----------------------------------------------------------------------------
+
+
+class FileTextReader:
+    """The background reader and the index of what it read (svc.reader)."""
+
+    FILE_TEXT_WEIGHT = 0.8  # a note's own words rank above the same words in a file it links
+    PAGE_SECONDS = PAGE_SECONDS
+    MAX_PAGES = MAX_PAGES
+    MAX_PIXELS = MAX_PIXELS
+    SCAN_SECONDS = SCAN_SECONDS
+
+    def __init__(self, svc: Service, tools: Tools | None = None):
+        self.svc = svc
+        cfg = svc.config
+        self.tools = tools or Tools()
+        self.langs = cfg.ocr_langs
+        self.mode = cfg.attachment_text
+        self.folder = cfg.state_dir / "filetext"
+        self.store = TextStore(self.folder)
+        self.files_file = self.folder / "files.json"
+        self.files: dict = {}  # attachment path -> [size, mtime_ns, digest]
+        self.kinds: dict = {}  # digest -> "pdf" / "image"
+        self.index = FileTextIndex(self.store, self._digest_of)
+        self.indexed: dict = {}  # attachment path -> (digest, pages indexed)
+        self.queue: collections.deque = collections.deque()
+        self.linkers: Callable | None = None  # files -> {file: linking notes} (build_service)
+        self.current = ""
+        self.counts = {"read": 0, "skipped": 0, "failed": 0, "pages": 0}
+        self.notes: dict = {}  # digest -> what was said of it (skipped, cut short, failed)
+        self.said: collections.deque = collections.deque(maxlen=20)  # the latest, for info
+        self.last_read = ""  # when the last file was done
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._scanned = 0.0
+        self._dirty = False
+        self._open: set = set()  # hashes begun and not done: read on at the next page
+        self.generation = 0  # bumps whenever the texts searched change
+        self.files_generation = 0  # bumps whenever the files known (their paths) change
+
+    # -- on, off, and why ---------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off" and (self.tools.pdf or self.tools.ocr)
+
+    def off_reason(self) -> str:
+        if self.mode == "off":
+            return "SERVICE_ATTACHMENT_TEXT is off"
+        if not (self.tools.pdf or self.tools.ocr):
+            return (
+                "neither pdftotext nor tesseract is installed (Debian: sudo apt install "
+                "poppler-utils tesseract-ocr)"
+            )
+        return ""
+
+    def info(self) -> dict:
+        """What /system/info says: on or off (and why), the tools, how far it got."""
+        with self._lock:
+            known = len(self.files)
+            waiting = len(self.queue) + (1 if self.current else 0)
+            answer = {
+                "enabled": self.enabled,
+                "reason": self.off_reason() or None,
+                "tools": {
+                    "pdftotext": bool(self.tools.pdf),
+                    "ocr": bool(self.tools.ocr),
+                    "pdfOcr": bool(self.tools.pdf_ocr),
+                },
+                "languages": self.langs,
+                "files": known,
+                "read": sum(1 for v in self.files.values() if self._done(v[2])),
+                "waiting": waiting,
+                "reading": self.current or None,
+                "skipped": self.counts["skipped"],
+                "failed": self.counts["failed"],
+                "pages": self.counts["pages"],
+                "lastRead": self.last_read or None,
+                "said": list(self.said),
+            }
+        return answer
+
+    def _done(self, digest: str) -> bool:
+        return digest in self.kinds and digest not in self._open
+
+    # -- start, stop ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self.enabled or self._thread is not None or self.svc.readonly:
+            if self.mode != "off" and not self.enabled:
+                log.info("text inside files is off: %s", self.off_reason())
+            return
+        self._load()
+        self.svc.attachments.listeners.append(self.uploaded)
+        self._thread = threading.Thread(target=self._run, name="notesvc-reader", daemon=True)
+        self._thread.start()
+        have = {"pdftotext": self.tools.pdf, "tesseract": self.tools.ocr}
+        log.info(
+            "text inside files: on (%s); not installed: %s",
+            ", ".join(n for n, ok in have.items() if ok),
+            ", ".join(n for n, ok in have.items() if not ok) or "nothing",
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self.PAGE_SECONDS + 5)
+            self._thread = None
+        self._save_files()
+
+    def uploaded(self, path: str) -> None:
+        """A file was placed under attachments/ (the store's listener): look at once."""
+        if path.rpartition(".")[2].lower() in READ_EXTENSIONS:
+            self._scanned = 0.0
+            self._wake.set()
+
+    # -- the files and their hashes ---------------------------------------------------------
+
+    def _digest_of(self, path: str) -> str | None:
+        entry = self.files.get(path)
+        return entry[2] if entry else None
+
+    def _load(self) -> None:
+        """Take what the last run kept: the files' hashes, and each hash's texts."""
+        try:
+            kept = json.loads(self.files_file.read_text())
+            self.files = {p: list(v) for p, v in kept.get("files", {}).items() if len(v) == 3}
+            self.files_generation += 1
+        except (OSError, ValueError, AttributeError):
+            self.files = {}
+        for digest in self.store.digests():
+            state = self.store.load(digest)
+            if state is None or not state["kind"]:
+                continue
+            self.kinds[digest] = state["kind"]
+            if not state["done"]:
+                self._open.add(digest)
+            elif state["note"]:
+                self.notes[digest] = state["note"]
+        for path, (_, _, digest) in list(self.files.items()):
+            self._index_file(path, digest)
+
+    def _save_files(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        with self._lock:
+            data = json.dumps({"v": STORE_VERSION, "files": self.files}).encode()
+        with contextlib.suppress(OSError):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.files_file, data)
+
+    def scan(self) -> None:
+        """Look at the attachments: new or changed files are hashed and queued (unless
+        their text is kept already); gone ones leave the index."""
+        root = self.svc.attachments.base / ATTACHMENTS
+        present: dict = {}
+        if root.is_dir():
+            for path, entry in walk_entries(str(root), ATTACHMENTS, _readable_name):
+                with contextlib.suppress(OSError):
+                    st = entry.stat()
+                    present[path] = (st.st_size, st.st_mtime_ns)
+        fresh = []
+        with self._lock:
+            for path in [p for p in self.files if p not in present]:
+                del self.files[path]
+                self.files_generation += 1
+                self._unindex(path)
+                self._dirty = True
+        for path, (size, mtime) in sorted(present.items(), key=lambda kv: kv[1][1]):
+            if self._stop.is_set():
+                return
+            known = self.files.get(path)
+            if known and known[0] == size and known[1] == mtime:
+                digest = known[2]
+                if digest in self._open and digest not in self.queue and digest != self.current:
+                    fresh.append((path, digest))
+                continue
+            if size > MAX_FILE_BYTES or size == 0:
+                continue
+            digest = self._hash(path)
+            if digest is None:
+                continue
+            with self._lock:
+                if path not in self.files:
+                    self.files_generation += 1
+                self.files[path] = [size, mtime, digest]
+                self._dirty = True
+            if digest in self.kinds and digest not in self._open:
+                self._index_file(path, digest)
+            else:
+                fresh.append((path, digest))
+        with self._lock:
+            queued = {d for _, d in self.queue}
+            for path, digest in fresh:
+                if digest not in queued:
+                    self.queue.append((path, digest))
+                    queued.add(digest)
+        self._save_files()
+        self._collect()
+
+    def _hash(self, path: str) -> str | None:
+        h = hashlib.sha256()
+        try:
+            with open(self.svc.attachments.base / path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except OSError:
+            return None
+        return h.hexdigest()
+
+    def _collect(self) -> None:
+        """Drop kept texts no file has any longer (a re-upload would read it again)."""
+        with self._lock:
+            used = {v[2] for v in self.files.values()} | {d for _, d in self.queue}
+            if self.current:
+                used.add(self.files.get(self.current, [0, 0, ""])[2])
+        for digest in self.store.digests() - used:
+            self.store.drop(digest)
+            self.kinds.pop(digest, None)
+            self._open.discard(digest)
+
+    # -- the index of the texts ---------------------------------------------------------------
+
+    def _index_file(self, path: str, digest: str) -> None:
+        state = self.store.load(digest)
+        if state is None:
+            return
+        with self._lock:
+            self._unindex(path)
+            for page, text in state["texts"].items():
+                if text.strip():
+                    self.index.add(f"{path}#{page}", text, len(text), 0)
+            self.indexed[path] = (digest, sorted(state["texts"]))
+            self.generation += 1
+
+    def _unindex(self, path: str) -> None:
+        with self._lock:
+            was = self.indexed.pop(path, None)
+            if was:
+                for page in was[1]:
+                    self.index.remove(f"{path}#{page}")
+                self.generation += 1
+
+    def _add_page(self, path: str, digest: str, page: int, text: str) -> None:
+        with self._lock:
+            for other, (d, pages) in list(self.indexed.items()):
+                if d == digest and self.files.get(other, [0, 0, ""])[2] == digest:
+                    if text.strip():
+                        self.index.add(f"{other}#{page}", text, len(text), 0)
+                    pages.append(page)
+            if path not in self.indexed:
+                self.indexed[path] = (digest, [page])
+                if text.strip():
+                    self.index.add(f"{path}#{page}", text, len(text), 0)
+            self.generation += 1
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() - self._scanned >= self.SCAN_SECONDS:
+                    self.scan()
+                    self._scanned = time.monotonic()
+                with self._lock:
+                    item = self.queue.popleft() if self.queue else None
+                if item is None:
+                    self._wake.wait(self.SCAN_SECONDS)
+                    self._wake.clear()
+                    continue
+                self._read_file(*item)
+            except Exception:  # one file's trouble never stops the reader
+                log.exception("text inside files: reading failed")
+                self._stop.wait(5)
+
+    def _rest(self, cpu_before: float, wall_before: float) -> None:
+        """Rest as long as the children worked: the reader takes half a core at most."""
+        worked = children_cpu() - cpu_before
+        elapsed = time.monotonic() - wall_before
+        self._stop.wait(max(0.0, worked * 2 - elapsed) + 0.01)
+
+    def _read_file(self, path: str, digest: str) -> None:
+        full = self.svc.attachments.base / path
+        with self._lock:
+            if self.files.get(path, [0, 0, ""])[2] != digest:
+                return  # changed or gone meanwhile: the next scan has it
+            self.current = path
+        try:
+            kept = self.store.load(digest)
+            if kept is None or not kept["kind"]:
+                kind = self._start(full, digest)
+                if kind is None:
+                    return
+                kept = self.store.load(digest) or {"kind": kind, "texts": {}, "pages": 1}
+            if kept.get("done"):
+                self._index_file(path, digest)
+                return
+            self._open.add(digest)
+            self.kinds[digest] = kept["kind"]
+            if kept["kind"] == "pdf":
+                self._read_pdf(path, full, digest, kept)
+            else:
+                self._read_image(path, full, digest)
+        finally:
+            with self._lock:
+                self.current = ""
+                self.last_read = iso(time.time())
+
+    def _finish(self, digest: str, note: str = "") -> None:
+        self.store.append(digest, {"done": True, "note": note} if note else {"done": True})
+        self._open.discard(digest)
+        if note:
+            self.notes[digest] = note
+            self.said.append(note)
+            log.info("text inside files: %s", note)
+
+    def _start(self, full: Path, digest: str) -> str | None:
+        """Check a new file's bytes and write its first line; None when it is not read
+        (its reason kept, so it is not tried again)."""
+        try:
+            with open(full, "rb") as f:
+                kind = sniff(f.read(16))
+                f.seek(0)
+                size = image_size(f, kind) if kind and kind != "pdf" else None
+        except OSError:
+            return None
+        name = full.name
+        ext = READ_EXTENSIONS.get(name.rpartition(".")[2].lower())
+        self.kinds[digest] = "pdf" if kind == "pdf" else "image"
+        if kind is None or (ext == "pdf") != (kind == "pdf"):
+            self.store.append(digest, {"v": STORE_VERSION, "kind": ext or "image", "pages": 0})
+            self._skip(digest, f"{name} is not a {'PDF' if ext == 'pdf' else 'image'} by its bytes")
+            return None
+        if kind == "pdf":
+            if not self.tools.pdf:
+                self.store.append(digest, {"v": STORE_VERSION, "kind": "pdf", "pages": 0})
+                self._skip(digest, f"{name}: pdftotext is not installed")
+                return None
+            try:
+                pages = self._pdf_pages(full)
+            except ToolFailed as e:
+                self.store.append(digest, {"v": STORE_VERSION, "kind": "pdf", "pages": 0})
+                self._fail(digest, f"{name} could not be read: {e}")
+                return None
+            self.store.append(digest, {"v": STORE_VERSION, "kind": "pdf", "pages": pages})
+            return "pdf"
+        self.store.append(digest, {"v": STORE_VERSION, "kind": "image", "pages": 1})
+        if not self.tools.ocr:
+            self._skip(digest, f"{name}: tesseract is not installed")
+            return None
+        if size is None:
+            self._skip(digest, f"{name}: its header does not say its size")
+            return None
+        if size[0] * size[1] > self.MAX_PIXELS:
+            self._skip(
+                digest,
+                f"{name} was skipped: {size[0]} × {size[1]} pixels is over "
+                f"{self.MAX_PIXELS // 1_000_000} megapixels",
+            )
+            return None
+        return "image"
+
+    def _skip(self, digest: str, why: str) -> None:
+        self.counts["skipped"] += 1
+        self._finish(digest, why)
+
+    def _fail(self, digest: str, why: str) -> None:
+        self.counts["failed"] += 1
+        self._finish(digest, why)
+
+    def _pdf_pages(self, full: Path) -> int:
+        try:  # (a PDF that only forbids copying opens; one that needs a password does not)
+            out = run_tool([self.tools.pdfinfo, str(full)], self.PAGE_SECONDS, 65536)
+        except ToolFailed as e:
+            if "password" in str(e).lower():
+                raise ToolFailed("it is encrypted and needs a password") from None
+            raise
+        m = re.search(r"^Pages:\s+(\d+)", out, re.MULTILINE)
+        if not m:
+            raise ToolFailed("pdfinfo found no pages")
+        return int(m.group(1))
+
+    def _read_pdf(self, path: str, full: Path, digest: str, kept: dict) -> None:
+        total = kept["pages"]
+        texts = kept["texts"]
+        size = sum(len(t.encode()) for t in texts.values())
+        last = min(total, self.MAX_PAGES)
+        start = max(texts) + 1 if texts else 1
+        for page in range(start, last + 1):
+            if self._stop.is_set():
+                return  # closing: the next start goes on from here
+            with self._lock:
+                if self.files.get(path, [0, 0, ""])[2] != digest:
+                    return
+            cpu, wall = children_cpu(), time.monotonic()
+            deadline = wall + self.PAGE_SECONDS
+            try:
+                text = self._pdf_page(full, page, deadline)
+            except ToolFailed as e:
+                if texts or page > 1:
+                    self._fail(digest, f"{full.name}, p. {page}: {e}; the pages before it are kept")
+                else:
+                    self._fail(digest, f"{full.name} could not be read: {e}")
+                self._rest(cpu, wall)
+                return
+            text = text[: max(0, MAX_TEXT_BYTES - size)]
+            size += len(text.encode())
+            self.store.append(digest, {"p": page, "text": text})
+            texts[page] = text
+            self.counts["pages"] += 1
+            self._add_page(path, digest, page, text)
+            self._rest(cpu, wall)
+            if size >= MAX_TEXT_BYTES:
+                self._finish(
+                    digest, f"{full.name}: text kept up to p. {page} ({MAX_TEXT_BYTES} bytes)"
+                )
+                self.counts["read"] += 1
+                return
+        note = ""
+        if total > self.MAX_PAGES:
+            note = f"{full.name}: the first {self.MAX_PAGES} of {total} pages were read"
+        self._finish(digest, note)
+        self.counts["read"] += 1
+
+    def _pdf_page(self, full: Path, page: int, deadline: float) -> str:
+        n = str(page)
+        text = run_tool(
+            [self.tools.pdftotext, "-f", n, "-l", n, "-enc", "UTF-8", "-q", str(full), "-"],
+            deadline - time.monotonic(),
+        )
+        if sum(ch.isalnum() for ch in text[:2000]) >= TEXT_LAYER_CHARS or not self.tools.pdf_ocr:
+            return text
+        with tempfile.TemporaryDirectory(prefix="notesvc-ocr-") as tmp:
+            prefix = os.path.join(tmp, "page")
+            argv = [self.tools.pdftoppm, "-f", n, "-l", n, "-gray", "-png", "-r", "300"]
+            argv += ["-scale-to", str(PDF_DPI_LONG_SIDE), str(full), prefix]
+            run_tool(argv, deadline - time.monotonic(), 1024)
+            images = sorted(Path(tmp).glob("page*.png"))
+            if not images:
+                return text
+            return self._ocr(images[0], deadline)
+
+    def _ocr(self, image: Path, deadline: float) -> str:
+        argv = [self.tools.tesseract, str(image), "-", "-l", self.langs, "--psm", "3"]
+        return run_tool(argv, deadline - time.monotonic())
+
+    def _read_image(self, path: str, full: Path, digest: str) -> None:
+        cpu, wall = children_cpu(), time.monotonic()
+        try:
+            text = self._ocr(full, wall + self.PAGE_SECONDS)
+        except ToolFailed as e:
+            self._fail(digest, f"{full.name} could not be read: {e}")
+            self._rest(cpu, wall)
+            return
+        text = text[:MAX_TEXT_BYTES]
+        self.store.append(digest, {"p": 1, "text": text})
+        self.counts["pages"] += 1
+        self._add_page(path, digest, 1, text)
+        self._finish(digest)
+        self.counts["read"] += 1
+        self._rest(cpu, wall)
+
+    # -- search ---------------------------------------------------------------------------------
+
+    def has_text(self) -> bool:
+        return bool(self.indexed)
+
+    def find(self, query: Query, folder: str | tuple, limit: int = 200, snippets: int = 20) -> list:
+        """Return [(note, score, snippet)] best first: the notes (within `folder`) that link
+        a file whose text holds the query, each once with its best page, when every
+        principal reaching the note reaches the file too (grants.file_joins_note). Only the
+        first `snippets` get their snippet (`scan.pdf, p. 3: ...`; the others the file's
+        name and page): no note after them can reach a page of results (each one before
+        it scores more), and a snippet reads the page's text back from the store."""
+        if not self.indexed or self.linkers is None or not query.clauses:
+            return []
+        _, hits = self.index.search(query, "", limit, 0, snippets=False)
+        if not hits:
+            return []
+        files = collections.OrderedDict()  # file -> (score, page), best first
+        for doc, _title, score, _ in hits:
+            file, _, page = doc.rpartition("#")
+            if file not in files:
+                files[file] = (score, int(page))
+        linked = self.linkers(set(files))
+        data = self.svc.state.read()
+        prefixes = folder_prefixes(folder)
+        best: dict = {}
+        for file, (score, page) in files.items():
+            for note in linked.get(file, ()):
+                if prefixes and not note.startswith(prefixes):
+                    continue
+                if not file_joins_note(data, note, file):
+                    continue
+                weighted = round(score * self.FILE_TEXT_WEIGHT, 4)
+                if note not in best or best[note][0] < weighted:
+                    best[note] = (weighted, file, page)
+        ranked = sorted(best.items(), key=lambda kv: (-kv[1][0], kv[0]))
+        shown = {f"{file}#{page}" for _, (_, file, page) in ranked[:snippets]}
+        texts = self.index.snippets(query, sorted(shown)) if shown else {}
+        out = []
+        for note, (score, file, page) in ranked:
+            kind = self.kinds.get(self._digest_of(file) or "", "pdf")
+            label = file_label(file, page, kind)
+            snippet = texts.get(f"{file}#{page}")
+            out.append((note, score, f"{label}: {snippet}" if snippet else label))
+        return out
+
+
+def _readable_name(name: str) -> bool:
+    return name.rpartition(".")[2].lower() in READ_EXTENSIONS and "." in name[1:]
+
+
 # == src/notesvc/plugins.py ===================================================
 # The Plugin record, loading, links and the built-in plugins.
 
@@ -17742,6 +18659,8 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
     svc.embedder = build_embedder(svc)
+    svc.reader = FileTextReader(svc)  # the text inside PDFs and images, for search
+    svc.reader.linkers = lambda files: file_linkers(svc, files)
     return svc
 
 
@@ -18060,12 +18979,9 @@ def move_and_relink(
     return rec
 
 
-def attachment_linkers(svc: Service, path: str) -> set:
-    """Return the notes that link to an attachment (Markdown links, images, ![[embeds]]).
-
-    Each note's links that may name an attachment are kept as written (derived_per_note:
-    after a save, one note is read again, not all of them) and resolved at every look,
-    against the attachments there are now."""
+def attachment_refs(svc: Service) -> dict:
+    """Return {note: (wikilink targets, Markdown targets)} of the notes' links that may name
+    an attachment, as written (derived_per_note: after a save, one note is read again)."""
 
     def take(text: str) -> tuple | None:
         if "[[" not in text and "](" not in text:
@@ -18075,9 +18991,34 @@ def attachment_linkers(svc: Service, path: str) -> set:
         targets = tuple(t for t in targets if not t.rstrip(">").casefold().endswith(".md"))
         return (wikis, targets) if wikis or targets else None
 
-    refs = derived_per_note(svc, "attachment links", take, lambda _paths, refs: refs)
+    return derived_per_note(svc, "attachment links", take, lambda _paths, refs: refs)
+
+
+def attachment_linkers(svc: Service, path: str) -> set:
+    """Return the notes that link to an attachment (Markdown links, images, ![[embeds]]),
+    resolved at every look against the attachments there are now."""
+    refs = attachment_refs(svc)
     resolver = LinkResolver(svc.index.paths(), [*svc.attachments.paths(), path])
     return {source for source, written in refs.items() if path in resolver.resolve(written, source)}
+
+
+def file_linkers(svc: Service, files: set) -> dict:
+    """Return {file: the notes linking it} for some of the files the attachment reader
+    knows (their names resolved among those files: the reader's, every PDF and image);
+    the whole map is kept until the notes or the reader's files change."""
+    reader = svc.reader
+    key = (svc.index.generation, reader.files_generation)  # (not the pages read meanwhile)
+    kept = svc.plugin_cache.get("file linkers")
+    if kept is None or kept[0] != key:
+        refs = attachment_refs(svc)
+        resolver = LinkResolver((), list(reader.files))
+        found: dict = {}
+        for source, written in refs.items():
+            for target in resolver.resolve(written, source):
+                found.setdefault(target, set()).add(source)
+        kept = (key, found)
+        svc.plugin_cache["file linkers"] = kept
+    return {f: kept[1].get(f, set()) for f in files}
 
 
 # -- built-in plugins -----------------------------------------------------------------------
@@ -18601,6 +19542,641 @@ def tool_fetch(svc: Service, id: str) -> dict:
         "url": note_url(svc, rec["path"]),
         "metadata": {k: rec[k] for k in ("etag", "modified", "size")},
     }
+
+
+# == src/notesvc/webclip.py ===================================================
+# Clips: a web page as a Markdown note (the standard library's parser), images attached.
+
+# -- HTML to Markdown ------------------------------------------------------------------------
+
+MAX_CLIP_HTML_BYTES = 5 << 20  # the page's HTML (the contract's "Capture limits")
+MAX_CLIP_IMAGE_BYTES = 10_000_000  # each image (and at most SERVICE_MAX_ATTACHMENT_BYTES)
+MAX_CLIP_IMAGES = 200
+MAX_NESTING = 64  # deeper lists and quotes are drawn at this depth (10,000 nested elements)
+
+# Elements whose whole content goes: what runs, what styles, what asks for input, what
+# draws (an SVG can hold scripts), what another document fills.
+DROPPED = frozenset(
+    {
+        "script",
+        "style",
+        "noscript",
+        "template",
+        "iframe",
+        "frame",
+        "frameset",
+        "object",
+        "embed",
+        "applet",
+        "form",
+        "button",
+        "select",
+        "textarea",
+        "input",
+        "svg",
+        "math",
+        "canvas",
+        "audio",
+        "video",
+        "map",
+        "dialog",
+        "head",
+        "title",
+        "nav",
+        "aside",
+    }
+)
+# Dropped outside the article (a site's banner and footer), kept inside it.
+OUTSIDE_ARTICLE = frozenset({"header", "footer"})
+VOID = frozenset(
+    {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param"}
+    | {"source", "track", "wbr"}
+)
+BLOCKS = frozenset(
+    {"p", "div", "section", "article", "main", "header", "footer", "figure", "figcaption"}
+    | {"address", "details", "summary", "center", "dl", "dt", "dd", "body", "html"}
+    | {"h1", "h2", "h3", "h4", "h5", "h6", "ul", "ol", "li", "blockquote", "pre", "table"}
+    | {"thead", "tbody", "tfoot", "tr", "caption", "hr"}
+)
+INLINE_MARKS = {"strong": "**", "b": "**", "em": "_", "i": "_", "del": "~~", "s": "~~"}
+LINK_SCHEMES = ("http", "https", "mailto")
+_ESCAPE_RE = re.compile(r"([\\`*_\[\]<>|])")
+BREAK = "\x00"  # a <br> in a paragraph's text until it is written (NULs are read out first)
+_LEAD_RE = re.compile(r"^(?:([#>+=-])|(\d+)([.)])(?=\s))", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=4096)
+def safe_url(raw: str, base: str, schemes: tuple = LINK_SCHEMES) -> str:
+    """Return raw made absolute against base, or "" when it is not one of `schemes`
+    (javascript:, data:, vbscript:, file:... never survive, however they are written)."""
+    raw = "".join(ch for ch in (raw or "") if ch >= " " and ch != "\x7f").strip()
+    if not raw or len(raw) > 4096:
+        return ""
+    try:
+        url = urllib.parse.urljoin(base, raw) if base else raw
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return ""
+    if parts.scheme.lower() not in schemes:
+        return ""
+    if parts.scheme.lower() != "mailto" and not parts.netloc:
+        return ""
+    return url.replace(" ", "%20").replace("(", "%28").replace(")", "%29")
+
+
+def escape_text(text: str) -> str:
+    """Return text with Markdown's own characters escaped (it reads as the page did)."""
+    return _ESCAPE_RE.sub(r"\\\1", text) if _ESCAPE_RE.search(text) else text
+
+
+class _Frame:
+    """One open block the Markdown depends on: its finished child blocks and the inline
+    text it is gathering."""
+
+    __slots__ = ("blocks", "data", "inline", "tag")
+
+    def __init__(self, tag: str, data: Any = None):
+        self.tag = tag
+        self.blocks: list = []  # finished Markdown blocks inside it ("li" items as tuples)
+        self.inline: list = []  # text (and open inline marks) of the paragraph being read
+        self.data = data  # an <ol>'s next number, a table's or a row's cells, a link's href
+
+
+# The page read as tags and text by regular expressions (C loops): html.parser's own
+# tokenizer took 180 ms for 1 MB of dense markup before any Markdown was written. The
+# content of a raw-text element (a script, a style) is skipped to its end tag, as browsers do.
+_HTML_TAG_RE = re.compile(
+    r"<(/?)([A-Za-z][A-Za-z0-9:-]*)((?:[^>\"']|\"[^\"]*\"|'[^']*')*)>"
+    r"|<!--.*?(?:-->|\Z)|<!\[CDATA\[.*?(?:\]\]>|\Z)|<![^>]*>|<\?[^>]*>",
+    re.DOTALL,
+)
+RAW_TEXT = frozenset(
+    {"script", "style", "textarea", "title", "xmp", "noscript", "template", "iframe"}
+    | {"noembed", "noframes", "plaintext"}
+)
+_HTML_ATTR_RE = re.compile(r"""([^\s=/>"']+)(?:\s*=\s*("[^"]*"|'[^']*'|[^\s>]+))?""")
+_WANTED_ATTRS = frozenset({"a", "img", "ol"})
+
+
+def _html_attrs(raw: str) -> list:
+    """Return [(name, value)] of a tag's attributes, names lowercased, values unescaped."""
+    out = []
+    for m in _HTML_ATTR_RE.finditer(raw):
+        value = m.group(2)
+        if value is not None:
+            if value[:1] in "\"'":
+                value = value[1:-1]
+            value = html.unescape(value)
+        out.append((m.group(1).lower(), value))
+    return out
+
+
+class _Converter:
+    """HTML events to Markdown blocks on an explicit stack: no recursion, and no walk of
+    the stack per event, so 10,000 nested elements cost what 10,000 siblings do."""
+
+    def __init__(self, base: str, images: dict):
+        self.base = base
+        self.images = images  # an image's src as the page had it -> its local link
+        self.stack: list = [_Frame("#root")]
+        self.open_tags: list = []  # every open element's tag, for end tags out of order
+        self.open_count: dict = {}  # tag -> how many are open
+        self.dropping = 0  # > 0: inside a dropped element (its depth in open_tags)
+        self.nesting = 0  # open lists and quotes (their Markdown prefixes)
+        self.pre = 0  # open <pre>
+        self.code = 0  # open inline <code>
+        self.rows: list = []  # open <tr> frames
+        self.tables: list = []  # open <table> frames
+        self.articles = 0  # open <article>/<main>
+        self.article_blocks: list = []  # the outermost article's blocks
+        self.remote_images = 0
+        self.title = ""
+
+    # -- reading the page ----------------------------------------------------------------
+
+    def feed(self, page: str) -> None:
+        """Read a page: tags and the text between them, in order (a raw-text element's
+        content skipped whole, the title kept)."""
+        page = page.replace("\x00", "")
+        data, starttag, endtag = self.handle_data, self.handle_starttag, self.handle_endtag
+        unescape = html.unescape
+        at, end = 0, len(page)
+        search = _HTML_TAG_RE.search
+        while at < end:
+            m = search(page, at)
+            if m is None:
+                break
+            if m.start() > at and not self.dropping:
+                text = page[at : m.start()]
+                data(unescape(text) if "&" in text else text)
+            at = m.end()
+            slash, name, raw = m.groups()
+            if name is None:
+                continue  # a comment, a doctype, a processing instruction
+            tag = name.lower()
+            if slash:
+                endtag(tag)
+                continue
+            if tag in RAW_TEXT:
+                close = re.compile(r"</" + tag + r"\s*>", re.IGNORECASE).search(page, at)
+                stop = close.start() if close else end
+                if tag == "title" and not self.title:
+                    self.title = unescape(page[at:stop])
+                at = close.end() if close else end
+                continue  # dropped whole (DROPPED holds them all)
+            if raw:
+                wanted = tag in _WANTED_ATTRS or "hidden" in raw
+                starttag(tag, _html_attrs(raw) if wanted else ())
+                if raw.endswith("/") and tag not in VOID:
+                    endtag(tag)
+            else:
+                starttag(tag, ())
+        if end > at:
+            text = page[at:end]
+            data(unescape(text) if "&" in text else text)
+
+    # -- the parser's events -------------------------------------------------------------
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        if tag in VOID:
+            if not self.dropping:
+                self._void(tag, dict(attrs))
+            return
+        self.open_tags.append(tag)
+        self.open_count[tag] = self.open_count.get(tag, 0) + 1
+        if self.dropping:
+            return
+        attrs_d = dict(attrs) if attrs else {}
+        hidden = attrs_d and (attrs_d.get("hidden", 0) != 0 or attrs_d.get("aria-hidden") == "true")
+        if tag in DROPPED or (tag in OUTSIDE_ARTICLE and not self.articles) or hidden:
+            self.dropping = len(self.open_tags)
+            return
+        if tag in BLOCKS or tag in ("td", "th"):
+            self._open_block(tag, attrs_d)
+        elif tag == "a":
+            self.stack[-1].inline.append(
+                _Frame("a", safe_url(attrs_d.get("href") or "", self.base))
+            )
+        elif tag in INLINE_MARKS:
+            self.stack[-1].inline.append(_Frame(tag))
+        elif tag == "code" and not self.pre:
+            self.code += 1
+            self.stack[-1].inline.append(_Frame("code"))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in VOID or not self.open_count.get(tag):
+            return
+        while self.open_tags:  # what was left open inside it closes with it
+            top = self.open_tags.pop()
+            self.open_count[top] -= 1
+            if self.dropping:
+                if len(self.open_tags) + 1 == self.dropping:
+                    self.dropping = 0
+            else:
+                self._close(top)
+            if top == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        if self.dropping or not data:
+            return
+        if self.pre or self.code:
+            self.stack[-1].inline.append(data.replace("\u00a0", " "))
+        else:
+            self.stack[-1].inline.append(escape_text(data))
+
+    # -- blocks --------------------------------------------------------------------------
+
+    def _open_block(self, tag: str, attrs: dict) -> None:
+        self._end_paragraph()
+        frame = _Frame(tag)
+        if tag == "ol":
+            start = attrs.get("start") or "1"
+            frame.data = int(start) if start.isdigit() and len(start) < 9 else 1
+        elif tag == "table":
+            frame.data = []  # its rows
+            self.tables.append(frame)
+        elif tag == "tr":
+            frame.data = []  # its cells
+            self.rows.append(frame)
+        elif tag == "pre":
+            self.pre += 1
+        elif tag in ("ul", "ol", "blockquote"):
+            self.nesting += 1
+        elif tag in ("article", "main"):
+            self.articles += 1
+        self.stack.append(frame)
+
+    def _close(self, tag: str) -> None:
+        if tag in INLINE_MARKS or tag in ("a", "code"):
+            if tag == "code" and self.code:
+                self.code -= 1
+            self._close_inline(tag)
+        elif (tag in BLOCKS or tag in ("td", "th")) and self.stack[-1].tag == tag:
+            self._finish(self.stack.pop())
+
+    def _end_paragraph(self) -> None:
+        text = self._inline_text(self.stack[-1])
+        if text:
+            self.stack[-1].blocks.append(text)
+
+    def _finish(self, frame: _Frame) -> None:
+        """Turn a closed block into Markdown and hand it to the block around it."""
+        tag = frame.tag
+        parent = self.stack[-1]
+        if tag == "pre":
+            self.pre -= 1
+            text = "".join(x for x in frame.inline if isinstance(x, str)).strip("\n")
+            fence = "~~~" if "```" in text else "```"
+            if text:
+                parent.blocks.append(f"{fence}\n{text}\n{fence}")
+            return
+        text = self._inline_text(frame)
+        body = [b[1] if isinstance(b, tuple) else b for b in frame.blocks] + (
+            [text] if text else []
+        )
+        if tag in ("ul", "ol", "blockquote"):
+            self.nesting -= 1
+        if tag in ("td", "th"):
+            cell = " ".join(" ".join(body).split())
+            if self.rows:
+                self.rows[-1].data.append(cell)
+            elif cell:
+                parent.inline.append(" " + cell + " ")
+        elif tag == "tr":
+            self.rows.pop()
+            if self.tables and frame.data:
+                self.tables[-1].data.append(frame.data)
+        elif tag == "table":
+            self.tables.pop()
+            self._table(parent, frame.data, body)
+        elif tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
+            line = " ".join(" ".join(body).split())
+            if line:
+                parent.blocks.append("#" * int(tag[1]) + " " + line)
+        elif tag == "hr":
+            parent.blocks.append("---")
+        elif tag == "li" and self.nesting <= MAX_NESTING and body:
+            marker = "- "
+            if parent.tag == "ol" and isinstance(parent.data, int):
+                marker = f"{parent.data}. "
+                parent.data += 1
+            lines = "\n".join(body).split("\n")
+            pad = " " * len(marker)
+            rest = "".join("\n" + (pad + ln if ln else ln) for ln in lines[1:])
+            parent.blocks.append(("li", marker + lines[0] + rest))
+        elif tag in ("ul", "ol") and body:
+            items = [b[1] if isinstance(b, tuple) else b for b in frame.blocks]
+            parent.blocks.append("\n".join(items + ([text] if text else [])))
+        elif tag == "blockquote" and self.nesting < MAX_NESTING and body:
+            inner = "\n\n".join(body)
+            parent.blocks.append("\n".join("> " + ln if ln else ">" for ln in inner.split("\n")))
+        else:
+            parent.blocks.extend(body)
+        if tag in ("article", "main"):
+            self.articles -= 1
+            if not self.articles:
+                self.article_blocks.extend(body)
+
+    def _table(self, parent: _Frame, rows: list, other: list) -> None:
+        cells = [r for r in rows if any(r)]
+        if not cells:
+            parent.blocks.extend(other)
+            return
+        width = max(len(r) for r in cells)
+        lines = []
+        for i, row in enumerate(cells):
+            row = row + [""] * (width - len(row))
+            lines.append("| " + " | ".join(c or " " for c in row) + " |")
+            if i == 0:
+                lines.append("|" + " --- |" * width)
+        parent.blocks.append("\n".join(lines))
+
+    # -- inline --------------------------------------------------------------------------
+
+    def _close_inline(self, tag: str) -> None:
+        inline = self.stack[-1].inline
+        for i in range(len(inline) - 1, max(-1, len(inline) - 2000), -1):
+            item = inline[i]
+            if isinstance(item, _Frame) and item.tag == tag:
+                inner = "".join(x for x in inline[i + 1 :] if isinstance(x, str))
+                del inline[i:]
+                inline.append(self._wrap(item, inner))
+                return
+
+    @staticmethod
+    def _wrap(frame: _Frame, inner: str) -> str:
+        text = inner.strip()
+        if not text:
+            return inner
+        lead = " " if inner[:1].isspace() else ""
+        trail = " " if inner[-1:].isspace() else ""
+        if frame.tag == "a":
+            return f"{lead}[{text}]({frame.data}){trail}" if frame.data else inner
+        if frame.tag == "code":
+            tick = "``" if "`" in text else "`"
+            return f"{lead}{tick}{text}{tick}{trail}"
+        mark = INLINE_MARKS[frame.tag]
+        return f"{lead}{mark}{text}{mark}{trail}"
+
+    def _void(self, tag: str, attrs: dict) -> None:
+        if tag == "br":
+            self.stack[-1].inline.append("\n" if self.pre else BREAK)
+        elif tag == "hr":
+            self._end_paragraph()
+            self.stack[-1].blocks.append("---")
+        elif tag == "img":
+            self._image(attrs)
+
+    def _image(self, attrs: dict) -> None:
+        src = (attrs.get("src") or "").strip()
+        alt = escape_text(" ".join((attrs.get("alt") or "").split()))[:200]
+        local = self.images.get(src)
+        if local:
+            self.stack[-1].inline.append(f"![{alt}]({local})")
+            return
+        url = safe_url(src, self.base, ("http", "https"))
+        if url:  # never fetched by the server: a link to where it is, said to be remote
+            self.remote_images += 1
+            self.stack[-1].inline.append(f"![{alt or 'image'} (remote)]({url})")
+
+    @staticmethod
+    def _inline_text(frame: _Frame) -> str:
+        text = "".join(x for x in frame.inline if isinstance(x, str))
+        frame.inline = []
+        lines = (" ".join(ln.split()) for ln in text.split(BREAK))
+        text = "  \n".join(ln for ln in lines if ln).strip()
+        # a line of the page's text must not read as a heading, a quote or a list item
+        return _LEAD_RE.sub(_lead_escaped, text) if _LEAD_RE.search(text) else text
+
+    def markdown(self) -> str:
+        """Return the Markdown of everything read: the article's own when the page had an
+        <article> or <main> with some text, else the whole page's."""
+        while self.open_tags:  # what was never closed
+            self.handle_endtag(self.open_tags[0])
+        self._end_paragraph()
+        article = "\n\n".join(self.article_blocks)
+        if len(article) >= 200:
+            return article
+        return "\n\n".join(b[1] if isinstance(b, tuple) else b for b in self.stack[0].blocks)
+
+
+def _lead_escaped(m: re.Match) -> str:
+    return "\\" + m.group(1) if m.group(1) else m.group(2) + "\\" + m.group(3)
+
+
+def html_to_markdown(page: str, base: str = "", images: dict | None = None) -> tuple:
+    """Return (Markdown, title, remote images) of an HTML page or fragment.
+
+    base: the page's URL (links made absolute against it, never against a <base> of the
+    page's own); images: {src as in the page: the local link to put instead}.
+    """
+    conv = _Converter(base, images or {})
+    conv.feed(page)
+    md = re.sub(r"\n{3,}", "\n\n", conv.markdown()).strip()
+    title = " ".join(conv.title.split())
+    return md, title, conv.remote_images
+
+
+# -- images -------------------------------------------------------------------------------
+
+# The first bytes of the image types a clip may carry (never SVG: it can hold scripts).
+IMAGE_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "png"),
+    (b"\xff\xd8\xff", "jpg"),
+    (b"GIF87a", "gif"),
+    (b"GIF89a", "gif"),
+)
+
+
+def image_extension(data: bytes) -> str | None:
+    """Return the extension an image's bytes say it is (png, jpg, gif, webp, avif, bmp),
+    None for anything else (an image that isn't one)."""
+    for magic, ext in IMAGE_MAGIC:
+        if data.startswith(magic):
+            return ext
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if data[4:8] == b"ftyp" and data[8:12] in (b"avif", b"avis"):
+        return "avif"
+    if data[:2] == b"BM" and len(data) > 26:
+        return "bmp"
+    return None
+
+
+def _image_stem(src: str) -> str:
+    name = urllib.parse.unquote(urllib.parse.urlsplit(src).path.rsplit("/", 1)[-1])
+    stem = name.rpartition(".")[0] or name
+    stem = re.sub(r"[^\w-]+", "-", unicodedata.normalize("NFC", stem)).strip("-_")
+    return stem[:60] or "image"
+
+
+# -- saving a clip -----------------------------------------------------------------------------
+
+CLIP_FIELDS = ("url", "title", "html", "selection", "images", "folder", "new")
+
+
+def clip_sources(svc: Service) -> dict:
+    """Return {note path: its `source:` URL} of the notes that are clips (front matter with
+    `source:` and `clipped:`), kept until the index changes (one note read after a save)."""
+
+    def take(text: str) -> str | None:
+        if not text.startswith("---") or "\nclipped:" not in text[:4096]:
+            return None
+        head = text[:4096].split("\n---", 1)[0]
+        m = re.search(r"^source:[ \t]*(.+?)[ \t]*$", head, re.MULTILINE)
+        if not m:
+            return None
+        value = m.group(1)
+        if value.startswith('"'):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return None
+        return value if isinstance(value, str) else None
+
+    return derived_per_note(svc, "clip sources", take, lambda _paths, taken: taken)
+
+
+def clip_note_of(svc: Service, url: str, principal: Principal) -> str | None:
+    """Return the note already clipped from url that the principal may write (the
+    newest path first by name), None when there is none it may write."""
+    found = sorted(p for p, src in clip_sources(svc).items() if src == url)
+    for path in found:
+        if (principal.whole or principal.may_write(path)) and svc.notes.exists(path):
+            return path
+    return None
+
+
+def clip_folder(svc: Service, principal: Principal, raw: Any) -> str:
+    """Return the folder a new clip goes to: the one asked for (writable), else the inbox
+    (a person's <home>/inbox, a folder grant's folder, the owner's notes/inbox)."""
+    if raw is None:
+        if principal.person and not principal.folder:
+            raw = f"{principal.home}/inbox"
+        else:
+            raw = principal.home or f"{NOTES}/inbox"
+    return writable_folder(svc, raw, principal)
+
+
+def front_matter_value(text: str) -> str:
+    """Return a value as YAML reads it back: plain when it is safe so, else quoted."""
+    if re.fullmatch(r"[A-Za-z0-9][!-~]*", text) and ": " not in text and " #" not in text:
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def decode_image(item: Any, i: int, limit: int) -> tuple:
+    """Return (src, bytes, extension) of a clip's image {src, data (base64), type}; 400
+    for one that isn't an image, 413 for one over the limit."""
+    if not isinstance(item, dict):
+        raise bad_request(f"'images[{i}]' must be an object {{src, data, type}}")
+    src = field(item, "src", max_len=8192)
+    data = field(item, "data")
+    if len(data) > (limit * 4) // 3 + 8:
+        raise ApiError(
+            413, "PAYLOAD_TOO_LARGE", f"'images[{i}]' is over {limit} bytes (each image)"
+        )
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"'images[{i}].data' is not base64") from None
+    if len(raw) > limit:
+        raise ApiError(
+            413, "PAYLOAD_TOO_LARGE", f"'images[{i}]' is over {limit} bytes (each image)"
+        )
+    ext = image_extension(raw)
+    if ext is None:
+        raise bad_request(
+            f"'images[{i}]' is not an image (PNG, JPEG, GIF, WebP, AVIF or BMP by its bytes)"
+        )
+    return src, raw, ext
+
+
+def save_clip(svc: Service, principal: Principal, body: dict) -> tuple:
+    """Write a clip; return ({path, url, updated, images, remoteImages}, created)."""
+    unknown = sorted(set(body) - set(CLIP_FIELDS))
+    if unknown:
+        raise bad_request(f"unknown field(s) {', '.join(unknown)}: send {', '.join(CLIP_FIELDS)}")
+    url = safe_url(field(body, "url", max_len=4096), "", ("http", "https"))
+    if not url:
+        raise bad_request("'url' must be the page's http(s) address")
+    page = field(body, "html", required=False) or ""
+    selection = field(body, "selection", required=False)
+    if not page and not selection:
+        raise bad_request("'html' (the page) or 'selection' is required")
+    for name, text in (("html", page), ("selection", selection or "")):
+        if len(text) > MAX_CLIP_HTML_BYTES or len(text.encode("utf-8", "surrogatepass")) > (
+            MAX_CLIP_HTML_BYTES
+        ):
+            raise ApiError(
+                413, "PAYLOAD_TOO_LARGE", f"'{name}' is over {MAX_CLIP_HTML_BYTES} bytes"
+            )
+    title = field(body, "title", required=False, max_len=1000)
+    images = body.get("images") or []
+    if not isinstance(images, list):
+        raise bad_request("'images' must be an array of {src, data, type} or {src, path}")
+    if len(images) > MAX_CLIP_IMAGES:
+        raise bad_request(f"'images' holds more than {MAX_CLIP_IMAGES} images")
+    new = bool(field(body, "new", bool, required=False))
+    limit = min(MAX_CLIP_IMAGE_BYTES, svc.config.max_attachment_bytes)
+    decoded, uploaded = [], {}
+    for i, item in enumerate(images):
+        if isinstance(item, dict) and item.get("path") is not None and "data" not in item:
+            src = field(item, "src", max_len=8192)
+            path = visible_attachment(svc.attachments, field(item, "path"), principal)
+            svc.attachments.get(path)  # 404 when it is not there
+            uploaded[src] = path
+            continue
+        decoded.append(decode_image(item, i, limit))
+    existing = None if new else clip_note_of(svc, url, principal)
+    if existing is not None:
+        folder = existing.rsplit("/", 1)[0]
+    else:
+        folder = clip_folder(svc, principal, field(body, "folder", required=False))
+    now = time.time()
+    local = local_time(now, time_zone(svc.config.timezone))
+    image_dir = f"{attachments_twin(folder)}/{local:%Y-%m-%d}"
+    note_dir = folder
+    links, stored = {}, 0
+    source = selection if selection else page
+    for src, raw, ext in decoded:
+        if src in links or src not in source:
+            continue  # sent twice, or not in what is clipped: not kept
+        path = attachment_path(f"{image_dir}/{_image_stem(src)}.{ext}")
+        if not (principal.whole or principal.may_write(path)):
+            raise ApiError(403, "FORBIDDEN", f"this key may not write files at {path}")
+
+        def write(f, data=raw) -> None:
+            f.write(data)
+
+        rec, _ = svc.attachments.place(svc.attachments.spool(write), path, unique=True)
+        links[src] = urllib.parse.quote(posixpath.relpath(rec["path"], note_dir), safe="/")
+        stored += 1
+    for src, path in uploaded.items():
+        links[src] = urllib.parse.quote(posixpath.relpath(path, note_dir), safe="/")
+    md, page_title, remote = html_to_markdown(source, url, links)
+    title = " ".join((title or page_title or url).split())[:300]
+    head = (
+        f"---\nsource: {front_matter_value(url)}\nclipped: {iso(now)}\n---\n\n"
+        f"# {escape_text(title)}\n\n"
+    )
+    content = head + (md or f"[{escape_text(title)}]({url})") + "\n"
+    if existing is not None:
+        rec = svc.notes.update(existing, content, None)
+        created = False
+    else:
+        rec = svc.notes.create_named(folder, title_filename(f"# {title}"), content)
+        created = True
+    answer = {
+        "path": rec["path"],
+        "url": url,
+        "etag": rec["etag"],
+        "updated": not created,
+        "images": stored + len(uploaded),
+        "remoteImages": remote,
+    }
+    return answer, created
 
 
 # == src/notesvc/transfer/plan.py =============================================
@@ -26737,7 +28313,8 @@ OUTBOX_JS = r"""
 // the version it started from), "create" {local, folder, content} (a new note, named by
 // the server; `local` stands for its path until then), "capture" {text, files, at} (today's
 // note: the capture box, the share sheet), "upload" {path, note, file} (a photo or file put
-// into a note offline: sent before the edit that links it, named `path` unless taken).
+// into a note offline: sent before the edit that links it, named `path` unless taken),
+// "voice" {file, at} (a recording: its note is made when it is sent, record.js).
 
 // Queue a save; an unsent save of the same note takes the new text (it keeps the version
 // the edits started from), and so does the unsent create of a note not sent yet.
@@ -26772,6 +28349,12 @@ const outbox = (() => {
     return [...items, item];
   }
 
+  // A voice note recorded with no connection: its audio (a Blob) and when it was made; `key`
+  // is the Idempotency-Key the page may have sent it with already (the answer lost).
+  function queueVoice(items, file, key, at, newId) {
+    return [...items, {id: newId(), kind: "voice", key: key || newId(), file, at}];
+  }
+
   // A file for the note `note` (its path, or a new note's local name), to be kept as `path`.
   function queueUpload(items, path, note, file, newId) {
     return [...items, {id: newId(), kind: "upload", key: newId(), path, note, file}];
@@ -26796,7 +28379,10 @@ const outbox = (() => {
 
   // What waits in uploads, in bytes.
   function uploadBytes(items) {
-    return items.reduce((n, i) => n + (i.kind === "upload" ? i.file.size || 0 : 0), 0);
+    return items.reduce(
+      (n, i) => n + (i.kind === "upload" || i.kind === "voice" ? i.file.size || 0 : 0),
+      0,
+    );
   }
 
   // The item sent: gone from the queue. A create's answer gives the note its path: later
@@ -26844,6 +28430,7 @@ const outbox = (() => {
     queueCreate,
     queueSave,
     queueUpload,
+    queueVoice,
     relink,
     settle,
     uploadBytes,
@@ -30641,6 +32228,12 @@ const offline = (() => {
       await mirrorPut(data);
       return data;
     }
+    if (item.kind === "voice") {
+      // a recording made with no connection (record.js): its note is made now
+      const {data} = await core.api("POST", "/capture/voice", item.file, once);
+      core.toast("A voice note kept on this device was saved: " + paths.nameOf(data.path));
+      return {};
+    }
     if (item.kind === "capture") {
       const files = [];
       let text = item.text;
@@ -30978,7 +32571,7 @@ SW_JS = r"""
 // where the page reads and writes them; this worker only adds shared items to the outbox.
 
 const APP = "notesvc-app";
-const SHELL = ["./", "manifest.webmanifest", "icon.svg", "icon-192.png", "icon-512.png"];
+const SHELL = ["./", "manifest.webmanifest", "icon.svg", "icon-192.png", "icon-512.png", "record.js"];
 
 self.addEventListener("install", (event) => {
   event.waitUntil(caches.open(APP).then((cache) => cache.addAll(SHELL)));
@@ -32384,6 +33977,67 @@ WEB_TRANSFER_JS = r"""
 })();
 """[1:]
 # --- end web/transfer.js ---
+# --- begin web/capture.js ---
+WEB_CAPTURE_JS = r"""
+// -- capture: Record (its code loaded on first use) and the line about text inside files --
+// Record needs a secure context (HTTPS, or localhost): elsewhere it names the address that
+// has one. record.js is fetched when Record is first pressed (the page stays under its
+// budget); the service worker keeps it for offline starts.
+
+const capturing = (() => {
+  const {$} = core;
+  let facts = null;
+
+  async function capturedFacts() {
+    if (!facts) facts = (await core.api("GET", "/capture")).data;
+    return facts;
+  }
+
+  function loadRecorder() {
+    if (window.notesvcRecorder) return Promise.resolve(window.notesvcRecorder);
+    return new Promise((resolve, reject) => {
+      const s = document.createElement("script");
+      s.src = "record.js";
+      s.integrity = $("record").dataset.sri;
+      s.onload = () => resolve(window.notesvcRecorder);
+      s.onerror = () => reject(new Error("Record could not load: check the connection."));
+      document.head.append(s);
+    });
+  }
+
+  async function record() {
+    if (!window.isSecureContext || !navigator.mediaDevices) {
+      const f = await capturedFacts().catch(() => ({record: {}}));
+      const there = f.record.secureUrl;
+      core.toast(
+        "Recording needs HTTPS" + (there ? ": open " + there : " (this server has none yet)"),
+        true,
+      );
+      return;
+    }
+    (await loadRecorder()).open();
+  }
+
+  // The first search says how far the reader of PDFs and images got (or why it is off).
+  async function fileTextLine() {
+    const t = (await capturedFacts()).attachmentText;
+    const line = $("file-text");
+    line.textContent =
+      "Text inside files: " +
+      (t.enabled ? t.read + " of " + t.files + " read" : "off, " + t.reason) +
+      (t.waiting ? ", " + t.waiting + " waiting" : "");
+    line.hidden = false;
+  }
+
+  function wireCapture() {
+    $("record").onclick = core.act(record);
+    $("search").addEventListener("focus", () => fileTextLine().catch(() => {}), {once: true});
+  }
+
+  return {wireCapture};
+})();
+"""[1:]
+# --- end web/capture.js ---
 # --- begin web/main.js ---
 WEB_MAIN_JS = r"""
 // -- the page starts here: every file before this one only defines -------------------------
@@ -32397,6 +34051,7 @@ WEB_MAIN_JS = r"""
   devices.wireDevices();
   people.wirePeople();
   offline.wireOffline();
+  capturing.wireCapture();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {
     // the share sheet reached the server itself: no worker here to keep what was shared
@@ -32439,6 +34094,161 @@ WEB_MAIN_JS = r"""
 })();
 """[1:]
 # --- end web/main.js ---
+# Record's code: its own script, fetched when Record is first pressed (the page's budget)
+# --- begin web/record.js ---
+RECORD_JS = r"""
+"use strict";
+// -- Record: a voice note from the microphone (loaded when Record is first pressed) ---------
+// MediaRecorder: WebM/Opus where the browser has it, MP4/AAC on iOS. Stop sends the audio's
+// own bytes to POST /capture/voice, which keeps it as an attachment and writes a note with it
+// and its transcript. With no connection it waits in the outbox ("Keep notes on this device"
+// on), or on this page until the connection is back.
+
+window.notesvcRecorder = (() => {
+  const {$} = core;
+  const TYPES = ["audio/webm;codecs=opus", "audio/webm", "audio/mp4", "audio/ogg;codecs=opus"];
+  let rec = null;
+  let chunks = [];
+  let stream = null;
+  let started = 0;
+  let timer = 0;
+  const waiting = []; // recordings made with no connection and no outbox: sent when it is back
+
+  function say(text) {
+    $("record-msg").textContent = text;
+  }
+
+  function panel() {
+    if ($("record-box")) return $("record-box");
+    const el = markdown.el;
+    const stopSave = {
+      id: "record-stop",
+      type: "button",
+      class: "primary",
+      onclick: () => stop(true),
+    };
+    const box = el(
+      "div",
+      {id: "record-box", class: "record-box", role: "dialog"},
+      el("span", {class: "record-dot", "aria-hidden": "true"}, "●"),
+      el("span", {id: "record-time", role: "timer"}, "0:00"),
+      el("button", stopSave, "Stop and save"),
+      el("button", {id: "record-cancel", type: "button", onclick: () => stop(false)}, "Cancel"),
+      el("p", {id: "record-msg", role: "status"}, ""),
+    );
+    box.setAttribute("aria-label", "Record a voice note");
+    // its look here, not in the page's CSS (the page keeps its budget; CSSOM, not markup)
+    Object.assign(box.style, {
+      position: "fixed",
+      left: "0",
+      right: "0",
+      bottom: "0",
+      zIndex: "30",
+      display: "flex",
+      flexWrap: "wrap",
+      alignItems: "center",
+      gap: "0.6rem",
+      padding: "0.8rem 1rem",
+      background: getComputedStyle(document.body).backgroundColor || "#fff",
+      borderTop: "1px solid #c8ced6",
+    });
+    box.firstChild.style.color = "#c62828";
+    box.lastChild.style.cssText = "flex-basis: 100%; margin: 0";
+    document.body.append(box);
+    return box;
+  }
+
+  function tick() {
+    const s = Math.floor((Date.now() - started) / 1000);
+    $("record-time").textContent = Math.floor(s / 60) + ":" + String(s % 60).padStart(2, "0");
+  }
+
+  async function open() {
+    if (rec) return;
+    panel().hidden = false;
+    $("record-stop").hidden = false;
+    $("record-stop").disabled = true;
+    $("record-cancel").textContent = "Cancel";
+    say("Asking for the microphone…");
+    try {
+      stream = await navigator.mediaDevices.getUserMedia({audio: true});
+    } catch (e) {
+      say("No microphone: " + (e.message || e.name) + ". Allow it for this page and try again.");
+      return;
+    }
+    const type = TYPES.find((t) => window.MediaRecorder && MediaRecorder.isTypeSupported(t));
+    rec = new MediaRecorder(stream, type ? {mimeType: type} : {});
+    chunks = [];
+    rec.ondataavailable = (e) => {
+      if (e.data && e.data.size) chunks.push(e.data);
+    };
+    rec.start(1000);
+    $("record-box").firstChild.style.visibility = "visible"; // the red dot: recording now
+    started = Date.now();
+    tick();
+    timer = setInterval(tick, 500);
+    $("record-stop").disabled = false;
+    say("Recording…");
+  }
+
+  function stop(keep) {
+    const r = rec;
+    rec = null;
+    clearInterval(timer);
+    $("record-box").firstChild.style.visibility = "hidden"; // no longer recording
+    if (!r) {
+      $("record-box").hidden = true;
+      return;
+    }
+    r.onstop = () => {
+      stream.getTracks().forEach((t) => t.stop());
+      const blob = new Blob(chunks, {type: (r.mimeType || "audio/webm").split(";")[0]});
+      chunks = [];
+      if (keep) core.act(save)(blob, app.newId());
+      else $("record-box").hidden = true;
+    };
+    r.stop();
+  }
+
+  async function save(blob, key) {
+    $("record-stop").disabled = true;
+    say("Saving…");
+    try {
+      const {data} = await core.api("POST", "/capture/voice", blob, {"Idempotency-Key": key});
+      say(
+        data.transcribed
+          ? "Saved to " + paths.nameOf(data.path) + ": “" + (data.transcript || "") + "”"
+          : "Saved to " + paths.nameOf(data.path) + " (not transcribed).",
+      );
+      $("record-stop").hidden = true;
+      $("record-cancel").textContent = "Close";
+      core.loadRecent().catch(() => {});
+    } catch (e) {
+      if (!offline.unreachable(e)) {
+        say("Not saved: " + e.message);
+        return;
+      }
+      if (offline.offlineOn()) {
+        await offline.updateOutbox((items) =>
+          outbox.queueVoice(items, blob, key, Date.now(), app.newId),
+        );
+        say("No connection: the recording waits in the outbox and is sent when it is back.");
+        return;
+      }
+      waiting.push([blob, key]);
+      say("No connection: the recording waits on this page (keep it open) until it is back.");
+      window.addEventListener("online", () => core.act(sendWaiting)(), {once: true});
+    }
+  }
+
+  async function sendWaiting() {
+    for (const [blob, key] of waiting.splice(0)) await save(blob, key);
+  }
+
+  return {open};
+})();
+"""[1:]
+# --- end web/record.js ---
 
 
 # a / after one of these (or a line's start) opens a regular expression, else it divides
@@ -32561,8 +34371,8 @@ def lean_css(css: str) -> str:
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# people.js, transfer.js, offline.js, and last main.js, where the page starts (the files before it
-# only define).
+# people.js, transfer.js, offline.js, capture.js, and last main.js, where the page starts (the
+# files before it only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -32581,6 +34391,7 @@ WEB_JS = "".join(
         WEB_PEOPLE_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
+        WEB_CAPTURE_JS,
         WEB_MAIN_JS,
     )
 )
@@ -32719,7 +34530,8 @@ WEB_PAGE = r"""
         <input id="capture" type="text" placeholder="Capture to today's note…" enterkeyhint="send">
         <button id="capture-add" type="button">Add</button>
       </div>
-      <div class="pane-tools"><button id="new" type="button">New note</button></div>
+      <div class="pane-tools"><button id="new" type="button">New note</button>
+        <button id="record" type="button" data-sri="{record_sri}">Record</button></div>
       <h2 class="list-head">Recent</h2>
       <ul id="recent" class="recent"></ul>
       <details id="folders" open>
@@ -32734,6 +34546,7 @@ WEB_PAGE = r"""
       <p id="search-mode" hidden></p>
       <p id="search-hint" class="hint">Type in the search box above: words, "a phrase", pre*,
         -without, this OR that. Press / to search from anywhere, Esc to go back.</p>
+      <p id="file-text" class="hint" hidden></p>
       <ul id="results"></ul>
     </section>
 
@@ -32838,9 +34651,14 @@ def _csp_hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
 
 
+RECORD_JS = lean_script(RECORD_JS)
+RECORD_SRI = "sha384-" + base64.b64encode(hashlib.sha384(RECORD_JS.encode()).digest()).decode()
+
+# 'strict-dynamic': the page's own script (its hash) may add record.js (checked by its
+# integrity); nothing in the markup runs, and no other script is named.
 WEB_CSP = (
     "default-src 'none'; "
-    f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
+    f"script-src {_csp_hash(WEB_JS)} 'strict-dynamic'; style-src {_csp_hash(WEB_CSS)}; "
     "connect-src 'self'; img-src 'self' data: blob:; media-src blob:; manifest-src 'self'; "
     "worker-src 'self'; base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
@@ -32948,6 +34766,8 @@ WEB_ASSETS: dict = {
     "/apple-touch-icon.png": ("image/png", lambda: web_icon_png(180)),
     # the service worker: a worker cannot be inline; its policy lets it fetch this origin
     "/sw.js": ("text/javascript; charset=utf-8", lambda: SW_JS.encode("utf-8")),
+    # Record's code, loaded by the page on first use (WEB_CSP, RECORD_SRI)
+    "/record.js": ("text/javascript; charset=utf-8", lambda: RECORD_JS.encode("utf-8")),
 }
 
 
@@ -32955,9 +34775,10 @@ def web_asset_headers(path: str) -> dict:
     """Return the headers of a public asset: cacheable, typed, and inert if opened alone
     (the service worker: checked for a new version at every start, allowed to fetch)."""
     worker = path == "/sw.js"
+    fresh = worker or path == "/record.js"  # checked again at each use: a new version's own
     return {
         "Content-Type": WEB_ASSETS[path][0],
-        "Cache-Control": "no-cache" if worker else "public, max-age=86400",
+        "Cache-Control": "no-cache" if fresh else "public, max-age=86400",
         "Content-Security-Policy": "default-src 'none'; connect-src 'self'"
         if worker
         else "default-src 'none'",
@@ -32967,7 +34788,8 @@ def web_asset_headers(path: str) -> dict:
 
 def web_client_page() -> str:
     """Return the page: the same bytes on a server and on a relay."""
-    return WEB_PAGE.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
+    page = WEB_PAGE.replace("{record_sri}", RECORD_SRI)
+    return page.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
 
 
 def web_client_headers() -> dict:
@@ -33332,6 +35154,198 @@ def share_page_headers() -> dict:
     }
 
 
+# --- begin web/clip.js ---
+CLIP_JS = r"""
+"use strict";
+// The bookmarklet's page (/clip). It keeps a device key of its own in this origin's storage
+// (connected like a device: a pairing link or code). The bookmarklet opens it and hands it
+// {url, title, html, selection} by postMessage: only a message from the window that opened
+// this one is taken (event.source), and the page's bytes never carry a key or an image.
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const KEY = "notesvc.clipKey";
+  const api = new URL("api/v1", new URL(".", location.href)).pathname;
+  const target = location.href.split(/[?#]/)[0];
+  let page = null;
+
+  function keyOf() {
+    try {
+      return localStorage.getItem(KEY);
+    } catch (e) {
+      return null;
+    }
+  }
+  function show(id, on) {
+    $(id).classList.toggle("hidden", !on);
+  }
+  function say(text, bad) {
+    $("msg").textContent = text;
+    $("msg").className = bad ? "err" : "";
+  }
+
+  async function call(method, path, body, key) {
+    const headers = {"Content-Type": "application/json"};
+    if (key) headers["X-Service-Key"] = key;
+    let r;
+    try {
+      r = await fetch(api + path, {
+        method,
+        headers,
+        body: JSON.stringify(body),
+        mode: "same-origin",
+        credentials: "omit",
+        cache: "no-store",
+      });
+    } catch (e) {
+      throw new Error("Cannot reach the server. Check the connection and try again.");
+    }
+    const j = await r.json().catch(() => ({}));
+    if (!r.ok) {
+      const err = new Error(j.error ? j.error.message : "The server answered " + r.status + ".");
+      err.status = r.status;
+      throw err;
+    }
+    return {status: r.status, data: j.data};
+  }
+
+  async function connect() {
+    const raw = $("pair").value.trim();
+    const m = /#pair=([A-Za-z2-7-]{26,40})/.exec(raw);
+    const secret = m ? m[1] : raw.replace(/[^A-Za-z2-7]/g, "").toLowerCase();
+    if (!secret) return say("Paste the link or type the code first.", true);
+    try {
+      const {data} = await call("POST", "/auth/devices/claim", {secret, deviceName: "Bookmarklet"});
+      localStorage.setItem(KEY, data.key);
+      $("pair").value = "";
+      say("Connected.");
+      render();
+    } catch (e) {
+      say(e.message, true);
+    }
+  }
+
+  async function send(selectionOnly) {
+    if (!page) return;
+    const body = {url: page.url, title: page.title};
+    if (selectionOnly) body.selection = page.selection;
+    else body.html = page.html;
+    const folder = $("folder").value.trim();
+    if (folder) body.folder = folder;
+    if ($("fresh").checked) body.new = true;
+    say("Clipping…");
+    try {
+      const {status, data} = await call("POST", "/capture/clip", body, keyOf());
+      say((status === 201 ? "Saved as " : "Updated ") + data.path);
+      setTimeout(() => window.close(), 1500);
+    } catch (e) {
+      if (e.status === 401) {
+        localStorage.removeItem(KEY);
+        render();
+        return say("This page's key no longer works: connect again.", true);
+      }
+      say(e.message, true);
+    }
+  }
+
+  function render() {
+    const key = keyOf();
+    show("connect", !key);
+    show("clip", !!key && !!page);
+    show("bookmarklet", !!key);
+    if (key && !page) {
+      say(window.opener ? "Waiting for the page…" : "Press the bookmarklet on a page to clip it.");
+    }
+  }
+
+  function bookmarklet() {
+    const code =
+      "javascript:(function(){var T=" +
+      JSON.stringify(target) +
+      ',O=new URL(T).origin,w=window.open(T,"notesvc-clip","width=460,height=640");' +
+      'if(!w){alert("notesvc: allow pop-ups for this site to clip it");return}' +
+      'var s=getSelection(),h="";if(s&&s.rangeCount&&!s.isCollapsed){var d=document.createElement("div");' +
+      "for(var i=0;i<s.rangeCount;i++)d.appendChild(s.getRangeAt(i).cloneContents());h=d.innerHTML}" +
+      'var m={type:"notesvc-clip",url:location.href,title:document.title,' +
+      "html:document.documentElement.outerHTML,selection:h};" +
+      'function f(e){if(e.source===w&&e.origin===O&&e.data==="notesvc-clip-ready"){' +
+      'w.postMessage(m,O);removeEventListener("message",f)}}addEventListener("message",f)})();';
+    $("bm-link").href = code;
+    $("bm-code").value = code;
+  }
+
+  window.addEventListener("message", (event) => {
+    if (!window.opener || event.source !== window.opener) return; // only the page that opened us
+    const d = event.data;
+    if (!d || d.type !== "notesvc-clip" || typeof d.url !== "string") return;
+    if (typeof d.html !== "string" || typeof d.title !== "string") return;
+    page = {url: d.url, title: d.title, html: d.html, selection: String(d.selection || "")};
+    $("page").textContent = (page.title || page.url) + " — " + page.url;
+    $("clip-selection").disabled = !page.selection;
+    say(page.selection ? "A selection is there too." : "");
+    render();
+  });
+  $("pair-go").onclick = connect;
+  $("clip-page").onclick = () => send(false);
+  $("clip-selection").onclick = () => send(true);
+  $("forget").onclick = () => {
+    localStorage.removeItem(KEY);
+    render();
+  };
+  bookmarklet();
+  render();
+  // the bookmarklet waits for this before it hands the page over (it checks our origin)
+  if (window.opener) window.opener.postMessage("notesvc-clip-ready", "*");
+})();
+"""[1:]
+# --- end web/clip.js ---
+
+# --- begin web/clip.html ---
+CLIP_PAGE = r"""
+<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="robots" content="noindex, nofollow"><meta name="referrer" content="no-referrer">
+<title>Clip to notesvc</title><link rel="icon" href="data:,"><style>{css}</style></head><body>
+<main><h1>Clip to notesvc</h1>
+<section id="connect" class="hidden"><p>This page keeps its own key for clipping. On a device
+that is signed in, open <b>Keys and devices → Add a device</b> (write), then paste its link or
+type its code here.</p>
+<label for="pair">Pairing link or code</label><input id="pair" type="text" autocomplete="off">
+<div class="row"><button id="pair-go" class="go" type="button">Connect</button></div></section>
+<section id="clip" class="hidden"><p id="page" class="who"></p>
+<label for="folder">Folder (empty: your inbox)</label>
+<input id="folder" type="text" placeholder="notes/inbox" autocomplete="off">
+<label><input id="fresh" type="checkbox"> a new note, even if this page was clipped before</label>
+<div class="row"><button id="clip-page" class="go" type="button">Clip page</button>
+<button id="clip-selection" type="button">Clip selection</button></div></section>
+<p id="msg" role="status"></p>
+<section id="bookmarklet" class="hidden"><h2>The bookmarklet</h2>
+<p class="muted">Drag this link to your bookmarks bar (on a phone or in Safari: bookmark any
+page, then edit the bookmark and paste the text below as its address). On a page you want to
+keep, press it: this window opens and clips it. Images stay links to where they are.</p>
+<p><a id="bm-link" href="#">Clip to notesvc</a></p>
+<label for="bm-code">The bookmark's address</label><input id="bm-code" type="text" readonly>
+<div class="row"><button id="forget" type="button">Forget this page's key</button></div>
+</section></main><script>{js}</script></body></html>
+"""[1:]
+# --- end web/clip.html ---
+
+
+def clip_page() -> str:
+    """Return the bookmarklet's page (/clip): it keeps its own key, takes the page the
+    bookmarklet hands it by postMessage, and sends the clip."""
+    return CLIP_PAGE.replace("{css}", PAGE_CSS).replace("{js}", CLIP_JS)
+
+
+def clip_page_headers() -> dict:
+    return {
+        "Content-Security-Policy": _page_csp(CLIP_JS),
+        "Referrer-Policy": "no-referrer",
+        "X-Robots-Tag": "noindex, nofollow",
+        "Cache-Control": "no-store",
+    }
+
+
 def shared_origin_page(page: str) -> str:
     """Return a page marked for a relay's shared origin (a relay without a domain): its
     script then keeps nothing in browser storage, since every server's page shares it."""
@@ -33377,6 +35391,7 @@ _PAGES = {
     "client": web_client_page,
     "consent": consent_page,
     "share": share_page,
+    "clip": clip_page,
     "landing": lambda: RELAY_LANDING_HTML,
 }
 
@@ -35342,6 +37357,7 @@ def get_info(svc: Service) -> dict:
         },
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
         "embeddings": svc.embedder.info() if svc.embedder is not None else None,
+        "attachmentText": svc.reader.info() if svc.reader is not None else None,
         "connection": svc.relay_client.status()
         if svc.relay_client
         else {
@@ -40250,6 +42266,166 @@ def list_shared_with_me(svc: Service) -> dict:
     return {"folders": folders, "shares": shares}
 
 
+# == src/notesvc/http/capture.py ==============================================
+# Handlers for capture: clips (/capture/clip, the /clip page), voice notes, file text.
+
+# -- clips ------------------------------------------------------------------------------------
+
+
+def post_clip(svc: Service) -> dict:
+    """POST /capture/clip {url, title, html, selection?, images?, folder?, new?}: 201 with
+    the note (`updated`: it was the same URL's note, one the caller may write)."""
+    body = read_json(svc.config.max_attachment_bytes)
+    answer, _created = save_clip(svc, request_principal(), body)
+    script = bottle.request.environ.get("SCRIPT_NAME", "")
+    location = f"{script}{API}/notes/{urllib.parse.quote(answer['path'], safe='')}"
+    bottle.response.set_header("Location", location)
+    bottle.response.set_header("ETag", answer["etag"])
+    return answer
+
+
+def get_clip_page(svc: Service) -> str:
+    """GET /clip: the bookmarklet's page (it keeps its own device key, takes the page the
+    bookmarklet hands it by postMessage, and sends the clip)."""
+    bottle.response.content_type = "text/html; charset=utf-8"
+    for name, value in clip_page_headers().items():
+        bottle.response.set_header(name, value)
+    return clip_page()
+
+
+# -- voice notes -------------------------------------------------------------------------------
+
+# What a recording may be, by its first bytes: (type prefix, extension).
+AUDIO_MAGIC = (
+    (b"\x1a\x45\xdf\xa3", "webm"),  # WebM (Chromium, Firefox: Opus)
+    (b"OggS", "ogg"),
+)
+AUDIO_TYPES = {
+    "audio/webm": "webm",
+    "video/webm": "webm",
+    "audio/ogg": "ogg",
+    "audio/mp4": "m4a",
+    "video/mp4": "m4a",
+    "audio/x-m4a": "m4a",
+    "audio/aac": "aac",
+    "audio/mpeg": "mp3",
+    "audio/wav": "wav",
+    "audio/x-wav": "wav",
+}
+
+
+def audio_extension(head: bytes) -> str | None:
+    """Return the extension an audio file's first bytes say (webm, ogg, m4a, mp3, wav,
+    aac), None when they are not audio a recorder makes."""
+    for magic, ext in AUDIO_MAGIC:
+        if head.startswith(magic):
+            return ext
+    if head[4:8] == b"ftyp":
+        return "m4a"
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return "wav"
+    if head[:3] == b"ID3" or (len(head) > 1 and head[0] == 0xFF and head[1] & 0xF6 == 0xF2):
+        return "mp3"
+    if len(head) > 1 and head[0] == 0xFF and head[1] & 0xF6 == 0xF0:
+        return "aac"
+    return None
+
+
+def post_voice(svc: Service) -> dict:
+    """POST /capture/voice (the audio's bytes; ?folder=): the recording kept as an
+    attachment, a note with it and its transcript (SERVICE_TRANSCRIBE_URL) -> 201."""
+    principal = request_principal()
+    ctype = bottle.request.content_type.split(";")[0].strip().lower()
+    if ctype not in AUDIO_TYPES:
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            f"send the recording's bytes as one of {', '.join(sorted(set(AUDIO_TYPES)))}",
+        )
+    raw_folder = query_str("folder") or None
+    folder = clip_folder(svc, principal, raw_folder)
+    now = local_time(time.time(), time_zone(svc.config.timezone))
+    limit = svc.config.max_attachment_bytes
+    read, _ = request_body_reader(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
+    head = bytearray()
+
+    def copy(f) -> None:
+        while chunk := read(BODY_CHUNK):
+            if len(head) < 16:
+                head.extend(chunk[:16])
+            f.write(chunk)
+
+    tmp = svc.attachments.spool(copy)
+    ext = audio_extension(bytes(head))
+    if ext is None:
+        tmp.unlink(missing_ok=True)
+        if not head:
+            raise bad_request("the recording is empty")
+        raise bad_request("the body is not a recording (WebM, Ogg, MP4, MP3, WAV or AAC)")
+    path = attachment_path(f"{attachments_twin(folder)}/{now:%Y-%m-%d}/{now:%H%M%S}-voice.{ext}")
+    if not (principal.whole or principal.may_write(path)):
+        tmp.unlink(missing_ok=True)
+        raise ApiError(403, "FORBIDDEN", f"this key may not write files at {path}")
+    rec, _ = svc.attachments.place(tmp, path, unique=True)
+    transcript, said = None, ""
+    if svc.config.transcribe_url:
+        try:
+            transcript = " ".join(transcribe(svc, rec["path"]).split())
+        except UpstreamError as e:
+            said = f"(Not transcribed: {clip(str(e), 200)}.)"
+    else:
+        said = "(Not transcribed: this server has no SERVICE_TRANSCRIBE_URL.)"
+    title = f"Voice note {now:%Y-%m-%d %H:%M}"
+    href = urllib.parse.quote(posixpath.relpath(rec["path"], folder), safe="/")
+    body = f"# {title}\n\n[Voice note]({href})\n\n"
+    if transcript:
+        body += transcript + "\n"
+    elif transcript is not None:
+        body += "(Nothing was heard.)\n"
+    else:
+        body += said + "\n"
+    note = svc.notes.create_named(folder, title_filename(title), body)
+    bottle.response.status = 201
+    return {
+        "path": note["path"],
+        "etag": note["etag"],
+        "attachment": rec["path"],
+        "transcript": transcript,
+        "transcribed": transcript is not None,
+    }
+
+
+# -- what the page needs ----------------------------------------------------------------------
+
+
+def secure_address(svc: Service, env: dict) -> str | None:
+    """Return an https address of this server the person can open (SERVICE_PUBLIC_URL, its
+    own origin on the relay, the relay's path), None when it has none."""
+    cfg = svc.config
+    if cfg.public_url.startswith("https://"):
+        return cfg.public_url.rstrip("/") + "/"
+    origin = svc.relay_origin()
+    if origin:
+        return origin + "/"
+    if cfg.relay_url.startswith("https://"):
+        return svc.relay_base(env) + "/"
+    return None
+
+
+def get_capture(svc: Service) -> dict:
+    """GET /capture: what Record and the line about the text inside files need."""
+    env = bottle.request.environ
+    reader = svc.reader.info() if svc.reader is not None else {"enabled": False}
+    return {
+        "record": {
+            "transcribe": bool(svc.config.transcribe_url),
+            "secureUrl": secure_address(svc, env),
+            "maxBytes": svc.config.max_attachment_bytes,
+        },
+        "attachmentText": reader,
+    }
+
+
 # == src/notesvc/http/routes.py ===============================================
 # The route table and OpenAPI.
 
@@ -41295,6 +43471,70 @@ ROUTES = (
         tag="people",
         scope="read",
     ),
+    Route(
+        "POST",
+        "/capture/clip",
+        post_clip,
+        summary="Clip a web page as the browser rendered it: Markdown, its images attached; "
+        "the same URL again updates its note (`updated`) unless `new`",
+        body={
+            **_obj(
+                ["url"],
+                url={
+                    **_STR,
+                    "minLength": 1,
+                    "maxLength": 4096,
+                    "pattern": "^[Hh][Tt][Tt][Pp][Ss]?://[^/?#]",
+                },
+                title={**_STR, "maxLength": 1000},
+                html={**_STR, "maxLength": MAX_CLIP_HTML_BYTES},
+                selection={**_STR, "maxLength": MAX_CLIP_HTML_BYTES},
+                images={
+                    "type": "array",
+                    "maxItems": MAX_CLIP_IMAGES,
+                    "items": _obj(
+                        ["src"],
+                        src={**_STR, "maxLength": 8192},
+                        data={**_STR, "description": "the image's bytes, base64"},
+                        type=_STR,
+                        path={**ATTACHMENT_PATH_SCHEMA, "description": "an image uploaded first"},
+                    ),
+                },
+                folder=_FOLDER_PATH,
+                new={"type": "boolean"},
+            ),
+            "additionalProperties": False,
+            "anyOf": [{"required": ["html"]}, {"required": ["selection"]}],
+        },
+        status=201,
+        tag="capture",
+        scope="write",
+        idempotent=True,
+    ),
+    Route(
+        "POST",
+        "/capture/voice",
+        post_voice,
+        summary="A voice note: the recording's bytes kept as an attachment, a note with it and "
+        "its transcript (SERVICE_TRANSCRIBE_URL)",
+        body={"type": "string", "format": "binary"},
+        body_media="audio/webm",
+        params={"folder": FOLDER_PATH_SCHEMA},
+        status=201,
+        tag="capture",
+        scope="write",
+        idempotent=True,
+    ),
+    Route(
+        "GET",
+        "/capture",
+        get_capture,
+        summary="What Record needs (transcription on, an HTTPS address) and how far the reader "
+        "of PDFs and images got",
+        tag="capture",
+        scope="read",
+    ),
+    Route("GET", "/clip", get_clip_page, public=True, api=False, tag="pages", media="text/html"),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
     Route(

@@ -72,6 +72,22 @@ def _setup_local_only(raw: str) -> str:
     return "auto" if word == "auto" else ("true" if _bool(raw) else "false")
 
 
+def _attachment_text(raw: str) -> str:
+    """Parse SERVICE_ATTACHMENT_TEXT: auto (read files when the tools are there) or off."""
+    word = raw.strip().lower()
+    if word in ("auto", "off"):
+        return word
+    raise ValueError(f"{raw!r} is not auto or off")
+
+
+def _ocr_langs(raw: str) -> str:
+    """Parse SERVICE_OCR_LANGS: tesseract's language codes joined by + (eng, deu+eng)."""
+    text = raw.strip()
+    if not re.fullmatch(r"[A-Za-z_]{2,32}(\+[A-Za-z_]{2,32}){0,7}", text):
+        raise ValueError(f"{raw!r} is not tesseract languages such as eng or deu+eng")
+    return text
+
+
 def _duration(lo: int, hi: int) -> Callable[[str], int]:
     """Parse seconds: a whole number, or one with s, m or h after it (30m, 2h)."""
     units = {"s": 1, "m": 60, "h": 3600}
@@ -570,6 +586,18 @@ SETTINGS = (
     Setting("transcribe_model", "SERVICE_TRANSCRIBE_MODEL", "", "whisper-1", _text, "model"),
     Setting("transcribe_api_key", "SERVICE_TRANSCRIBE_API_KEY", "", "", _text, "transcription key"),
     Setting(
+        "attachment_text",
+        "SERVICE_ATTACHMENT_TEXT",
+        "",
+        "auto",
+        _attachment_text,
+        "read the text inside PDFs and images for search (auto: when pdftotext or tesseract is"
+        " installed; off)",
+    ),
+    Setting(
+        "ocr_langs", "SERVICE_OCR_LANGS", "", "eng", _ocr_langs, "tesseract languages (deu+eng)"
+    ),
+    Setting(
         "timezone",
         "SERVICE_TIMEZONE",
         "",
@@ -723,6 +751,8 @@ class Config:
     transcribe_url: str
     transcribe_model: str
     transcribe_api_key: str
+    attachment_text: str
+    ocr_langs: str
     timezone: str
     max_import_bytes: int
     max_import_expanded_bytes: int

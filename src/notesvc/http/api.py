@@ -208,6 +208,7 @@ def get_info(svc: Service) -> dict:
         },
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
         "embeddings": svc.embedder.info() if svc.embedder is not None else None,
+        "attachmentText": svc.reader.info() if svc.reader is not None else None,
         "connection": svc.relay_client.status()
         if svc.relay_client
         else {
