@@ -424,6 +424,23 @@ class TestMcp:
         assert "Mcp-Session-Id" in started.headers["Access-Control-Expose-Headers"]
         assert len(started.headers["Mcp-Session-Id"]) == 22
 
+    def test_sessions_through_passthrough_but_not_the_terminating_relay(self, mcp):
+        key = key_of(mcp)
+        relayed = as_key(mcp, key, **{"notesvc.relayed": True})
+        spliced = as_key(mcp, key, **{"notesvc.relayed": True, "notesvc.spliced": True})
+        started = initialize(relayed)  # the relay ends TLS: no session, no subscriptions
+        assert "Mcp-Session-Id" not in started.headers
+        caps = started.json["result"]["capabilities"]["resources"]
+        assert caps == {"subscribe": False, "listChanged": False}
+        started = initialize(spliced)  # TLS ends here (passthrough): as a direct connection
+        caps = started.json["result"]["capabilities"]["resources"]
+        assert caps == {"subscribe": True, "listChanged": True}
+        hdr = {"Mcp-Session-Id": started.headers["Mcp-Session-Id"]}
+        ping = '{"jsonrpc": "2.0", "id": 1, "method": "ping"}'
+        raw_mcp(spliced, ping, 200, **hdr)
+        resp = relayed.get(f"{API}/mcp", headers=hdr, expect_errors=True)
+        assert rpc_error(resp, 405, -32000)["data"]["code"] == "METHOD_NOT_ALLOWED"
+
     def test_limits_are_json_rpc_errors(self, make_app):
         client = with_key(make_app(SERVICE_MAX_BODY_BYTES="2048"))
         big = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping", "pad": "x" * 3000})

@@ -9,6 +9,7 @@
   devices.wireDevices();
   people.wirePeople();
   offline.wireOffline();
+  capturing.wireCapture();
   suggestions.wireSuggestions();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {

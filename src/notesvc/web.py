@@ -52,8 +52,11 @@ SW_JS = web_source("sw.js")
 WEB_DEVICES_JS = web_source("devices.js")
 WEB_PEOPLE_JS = web_source("people.js")
 WEB_TRANSFER_JS = web_source("transfer.js")
+WEB_CAPTURE_JS = web_source("capture.js")
 WEB_SUGGESTIONS_JS = web_source("suggestions.js")
 WEB_MAIN_JS = web_source("main.js")
+# Record's code: its own script, fetched when Record is first pressed (the page's budget)
+RECORD_JS = web_source("record.js")
 
 
 # a / after one of these (or a line's start) opens a regular expression, else it divides
@@ -176,8 +179,8 @@ def lean_css(css: str) -> str:
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# people.js, transfer.js, offline.js, suggestions.js, and last main.js, where the page
-# starts (the files before it only define).
+# people.js, transfer.js, offline.js, capture.js, suggestions.js, and last main.js, where
+# the page starts (the files before it only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -196,6 +199,7 @@ WEB_JS = "".join(
         WEB_PEOPLE_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
+        WEB_CAPTURE_JS,
         WEB_SUGGESTIONS_JS,
         WEB_MAIN_JS,
     )
@@ -210,9 +214,14 @@ def _csp_hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
 
 
+RECORD_JS = lean_script(RECORD_JS)
+RECORD_SRI = "sha384-" + base64.b64encode(hashlib.sha384(RECORD_JS.encode()).digest()).decode()
+
+# 'strict-dynamic': the page's own script (its hash) may add record.js (checked by its
+# integrity); nothing in the markup runs, and no other script is named.
 WEB_CSP = (
     "default-src 'none'; "
-    f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
+    f"script-src {_csp_hash(WEB_JS)} 'strict-dynamic'; style-src {_csp_hash(WEB_CSS)}; "
     "connect-src 'self'; img-src 'self' data: blob:; media-src blob:; manifest-src 'self'; "
     "worker-src 'self'; base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
@@ -320,6 +329,8 @@ WEB_ASSETS: dict = {
     "/apple-touch-icon.png": ("image/png", lambda: web_icon_png(180)),
     # the service worker: a worker cannot be inline; its policy lets it fetch this origin
     "/sw.js": ("text/javascript; charset=utf-8", lambda: SW_JS.encode("utf-8")),
+    # Record's code, loaded by the page on first use (WEB_CSP, RECORD_SRI)
+    "/record.js": ("text/javascript; charset=utf-8", lambda: RECORD_JS.encode("utf-8")),
 }
 
 
@@ -327,9 +338,10 @@ def web_asset_headers(path: str) -> dict:
     """Return the headers of a public asset: cacheable, typed, and inert if opened alone
     (the service worker: checked for a new version at every start, allowed to fetch)."""
     worker = path == "/sw.js"
+    fresh = worker or path == "/record.js"  # checked again at each use: a new version's own
     return {
         "Content-Type": WEB_ASSETS[path][0],
-        "Cache-Control": "no-cache" if worker else "public, max-age=86400",
+        "Cache-Control": "no-cache" if fresh else "public, max-age=86400",
         "Content-Security-Policy": "default-src 'none'; connect-src 'self'"
         if worker
         else "default-src 'none'",
@@ -339,7 +351,8 @@ def web_asset_headers(path: str) -> dict:
 
 def web_client_page() -> str:
     """Return the page: the same bytes on a server and on a relay."""
-    return WEB_PAGE.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
+    page = WEB_PAGE.replace("{record_sri}", RECORD_SRI)
+    return page.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
 
 
 def web_client_headers() -> dict:
@@ -410,6 +423,26 @@ def share_page_headers() -> dict:
     }
 
 
+CLIP_JS = web_source("clip.js")
+
+CLIP_PAGE = web_source("clip.html")
+
+
+def clip_page() -> str:
+    """Return the bookmarklet's page (/clip): it keeps its own key, takes the page the
+    bookmarklet hands it by postMessage, and sends the clip."""
+    return CLIP_PAGE.replace("{css}", PAGE_CSS).replace("{js}", CLIP_JS)
+
+
+def clip_page_headers() -> dict:
+    return {
+        "Content-Security-Policy": _page_csp(CLIP_JS),
+        "Referrer-Policy": "no-referrer",
+        "X-Robots-Tag": "noindex, nofollow",
+        "Cache-Control": "no-store",
+    }
+
+
 def shared_origin_page(page: str) -> str:
     """Return a page marked for a relay's shared origin (a relay without a domain): its
     script then keeps nothing in browser storage, since every server's page shares it."""
@@ -455,6 +488,7 @@ _PAGES = {
     "client": web_client_page,
     "consent": consent_page,
     "share": share_page,
+    "clip": clip_page,
     "landing": lambda: RELAY_LANDING_HTML,
 }
 

@@ -30,9 +30,10 @@ STREAM_POOL = "direct"  # the change feed's pool of direct waiters: both hold a 
 
 
 def terminated_relay(environ: dict) -> bool:
-    """Return whether a request came through the relay's link (no sessions there: the relay
-    passes Mcp-Session-Id neither way)."""
-    return bool(environ.get("notesvc.relayed"))
+    """Return whether a request came through the relay's terminating modes (no sessions
+    there: the relay passes Mcp-Session-Id neither way); a spliced passthrough connection
+    (passthrough/server.py: TLS ends here) is served like a direct one."""
+    return bool(environ.get("notesvc.relayed")) and not environ.get("notesvc.spliced")
 
 
 def who_of(principal: Principal) -> tuple:
