@@ -4219,23 +4219,40 @@ def _change_of(line: bytes, after: int) -> tuple | None:
         return None
     origin = d.get("from") if d["kind"] == "moved" else d.get("conflictOf")
     by = d.get("by") if isinstance(d.get("by"), str) else None
-    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""), by)
+    person = d.get("person")
+    if not (
+        isinstance(person, dict)
+        and isinstance(person.get("id"), str)
+        and isinstance(person.get("name"), str)
+    ):
+        person = None
+    else:
+        person = {"id": person["id"], "name": person["name"]}
+    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""), by, person)
 
 
 def change_record(entry: tuple, stored: bool = False) -> dict:
-    """Return a journal entry (seq, kind, path, origin, etag, at, by) as the feed gives it:
-    the origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps
-    an edit of). `stored`: as the journal's file keeps it, with `by` (who created a note, as
-    history's savedBy: the note's history shows it, the feed does not)."""
-    seq, kind, path, origin, etag, at, by = entry
+    """Return a journal entry (seq, kind, path, origin, etag, at, by, person) as the feed
+    gives it: the origin is a move's `from`, a created conflict copy's `conflictOf` (the
+    note it keeps an edit of); a person's change names them (`person: {id, name}`) and the
+    device (`savedBy`, as history's). `stored`: as the journal's file keeps it, with `by`
+    (who created a note, as history's savedBy: the note's history shows it, the feed
+    shows it for a person's changes only)."""
+    seq, kind, path, origin, etag, at, by, person = entry
     rec = {"seq": seq, "kind": kind, "path": path}
     if origin is not None:
         rec["from" if kind == "moved" else "conflictOf"] = origin
     if etag is not None:
         rec["etag"] = etag
     rec["at"] = at
-    if stored and by is not None:
-        rec["by"] = by
+    if stored:
+        if by is not None:
+            rec["by"] = by
+        if person is not None:
+            rec["person"] = person
+    elif person is not None:
+        rec["person"] = dict(person)
+        rec["savedBy"] = by
     return rec
 
 
@@ -4271,6 +4288,10 @@ class ChangeJournal:
         self._compact_at = 0  # after a failed compaction: when to try again
         self._waiting: collections.Counter = collections.Counter()
         self._closed = False
+        self._nudges = 0  # bumped when who sees what changed: waiting feeds look again
+        # a reach -> (the newest number looked at, the newest change it sees up to there):
+        # a feed that sees few changes pays only for those since it last asked
+        self._seen: collections.OrderedDict = collections.OrderedDict()
 
     def open(self) -> ChangeJournal:
         """Read the journal, creating it when missing; a torn last line is dropped."""
@@ -4368,14 +4389,16 @@ class ChangeJournal:
         origin: str | None = None,
         reserved: bool = True,
         by: str | None = None,
+        person: dict | None = None,
     ) -> int:
         """Record a change that was made, wake the waiting feeds; return its number. `by`:
-        who made a note (a `created` entry's), as history's savedBy."""
+        who made it, as history's savedBy (kept for a `created` entry, and for a person's
+        changes); `person`: {id, name} of the person who made it."""
         with self._cond:
             if reserved:
                 self._promised = max(0, self._promised - 1)
             seq = self.last + 1
-            entry = (seq, kind, path, origin, etag, iso(self.clock()), by)
+            entry = (seq, kind, path, origin, etag, iso(self.clock()), by, person)
             if self._open:
                 line = to_json(change_record(entry, stored=True)) + b"\n"
                 try:
@@ -4430,12 +4453,64 @@ class ChangeJournal:
             "more": more,
         }
 
+    def _newest_seen(self, view: Callable, key: Any) -> tuple:
+        """Return (floor, entries, numbers, how many, the newest number view sees or None)
+        of the journal as it is now, looking only at what came since `key` last asked."""
+        with self._cond:
+            floor, entries, seqs, n = self.floor, self._entries, self._seqs, len(self._entries)
+            upto, newest = self._seen.pop(key, (-1, None))
+            self._seen[key] = (upto, newest)  # the most recently asked last
+        stop = bisect.bisect_right(seqs, upto, 0, n)
+        for j in range(n - 1, stop - 1, -1):  # (entries only grow at the end, or are replaced)
+            if view(entries[j]) is not None:
+                newest = seqs[j]
+                break
+        with self._cond:
+            self._seen[key] = (max(upto, seqs[n - 1] if n else upto), newest)
+            while len(self._seen) > 256:
+                self._seen.popitem(last=False)
+        return floor, entries, seqs, n, newest
+
+    def read_seen(self, since: int, limit: int, view: Callable, key: Any) -> dict:
+        """Return {changes, last, more} as one principal sees the feed: view(entry) is an
+        entry's record as it sees it, or None (not its to see). The numbers have gaps, and
+        `last` is the newest change it sees: its cursor never moves for a change it may not
+        see, nor tells how many there were. 410 for a cursor below the journal's floor or
+        beyond the newest change it sees. `key` (its reach) keeps how far it looked, so a
+        feed that sees little pays for the changes since it last asked, not all of them."""
+        floor, entries, seqs, n, newest = self._newest_seen(view, key)
+        seen_last = max(floor, newest if newest is not None else floor)
+        if since < floor or since > seen_last:
+            raise gone(
+                "this cursor is no longer answered for here; list the notes again and "
+                f"follow from since={seen_last}"
+            )
+        out, more = [], False
+        if newest is not None and since < newest:
+            for j in range(bisect.bisect_right(seqs, since, 0, n), n):
+                if seqs[j] > newest:
+                    break
+                rec = view(entries[j])
+                if rec is None:
+                    continue
+                if len(out) == limit:
+                    more = True
+                    break
+                out.append(rec)
+        return {"changes": out, "last": out[-1]["seq"] if out else since, "more": more}
+
+    def seen_latest(self, view: Callable, key: Any) -> int:
+        """Return the newest change a principal sees, or the floor (read_seen's view and
+        key): where it follows from."""
+        floor, _, _, _, newest = self._newest_seen(view, key)
+        return max(floor, newest if newest is not None else floor)
+
     def creation(self, path: str) -> tuple | None:
         """Return (at, by, the path it was made at) of the note now at path, its `created`
         entry followed back through its moves, while the journal holds it; None otherwise
         (compacted away, made unseen, or a deletion in between)."""
         with self._cond:
-            for _, kind, at_path, origin, _, at, by in reversed(self._entries):
+            for _, kind, at_path, origin, _, at, by, _ in reversed(self._entries):
                 if at_path != path:
                     continue
                 if kind == "created":
@@ -4451,17 +4526,37 @@ class ChangeJournal:
         with self._cond:
             return self.last
 
-    def wait_after(self, since: int, timeout: float, pool: str, cap: int) -> bool | None:
-        """Wait up to timeout s for a change after `since`; return whether one came, or
-        None at once when `pool` already has `cap` waiters (each holds a worker thread)."""
+    def wait_after(
+        self, since: int, timeout: float, pool: str, cap: int, nudges: int | None = None
+    ) -> bool | None:
+        """Wait up to timeout s for a change after `since` (or, given `nudges`, a nudge()
+        after that count); return whether one came, or None at once when `pool` already
+        has `cap` waiters (each holds a worker thread)."""
         with self._cond:
             if self._waiting[pool] >= cap:
                 return None
             self._waiting[pool] += 1
+
+            def woken() -> bool:
+                nudged = nudges is not None and self._nudges != nudges
+                return self.last > since or self._closed or nudged
+
             try:
-                return self._cond.wait_for(lambda: self.last > since or self._closed, timeout)
+                return self._cond.wait_for(woken, timeout)
             finally:
                 self._waiting[pool] -= 1
+
+    def nudges(self) -> int:
+        """Return how many times who sees what changed (wait_after's `nudges`)."""
+        with self._cond:
+            return self._nudges
+
+    def nudge(self) -> None:
+        """Wake the waiting feeds to look at their principal again: a share ended, a key
+        was revoked (what a feed shows is cut at once, a waiting one too)."""
+        with self._cond:
+            self._nudges += 1
+            self._cond.notify_all()
 
     def waiting(self) -> int:
         with self._cond:
@@ -4767,6 +4862,7 @@ class NoteStore(FileTree):
         # who makes the change in progress, as its versions name it (savedBy): the Service
         # sets it to the request's grant's name; None: the owner, the server itself
         self.actor: Callable[[], str | None] = lambda: None
+        self.person: Callable[[], dict | None] = lambda: None  # {id, name}: a person's change
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -5381,8 +5477,9 @@ class NoteStore(FileTree):
         one to miss)."""
         etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            by = self._who() if kind == "created" else None  # the note's history shows it
-            self.journal.append(kind, path, etag, origin or conflict_of, by=by)
+            person = self.person()  # the feed names a person (and the device), no one else
+            by = self._who() if kind == "created" or person else None
+            self.journal.append(kind, path, etag, origin or conflict_of, by=by, person=person)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)
@@ -12098,8 +12195,33 @@ def made_by_grant(created_by: Any) -> bool:
     return isinstance(created_by, str) and created_by not in (MADE_BY_OWNER, MADE_BY_CLI)
 
 
+_ACTING = threading.local()  # (principal, via) while a chat bound to someone is served
+
+
+@contextlib.contextmanager
+def acting_as(principal: Principal, via: str = ""):
+    """Let what runs inside act for `principal` in this thread (a chat bound to a person
+    acts as the grant that linked it): request_principal() answers it, `via` names it."""
+    before = getattr(_ACTING, "who", None)
+    _ACTING.who = (principal, via)
+    try:
+        yield principal
+    finally:
+        _ACTING.who = before
+
+
+def acting_via() -> str:
+    """Return the name of what this thread acts through (a chat's channel), "" if nothing."""
+    who = getattr(_ACTING, "who", None)
+    return who[1] if who else ""
+
+
 def request_principal() -> Principal:
-    """Return who the current request acts for (the owner outside a protected request)."""
+    """Return who the current request acts for (the owner outside a protected request;
+    inside acting_as, whom that names)."""
+    who = getattr(_ACTING, "who", None)
+    if who is not None:
+        return who[0]
     try:
         return bottle.request.environ.get("notesvc.principal", OWNER)
     except (AttributeError, RuntimeError, KeyError):
@@ -12523,6 +12645,7 @@ class GrantStore:
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
+        self.after_revoke: list = []  # () -> None after it: waiting change feeds look again
         self.registrations = RateLimit(REGISTRATIONS_PER_MINUTE)
         self.public_hits = RateLimit(60)  # shared notes and consent facts, per address
         self.share_misses = Lockout(what="unknown links")  # share and feed tokens, per address
@@ -12844,6 +12967,8 @@ class GrantStore:
         for g in gone:
             self._used.pop(g, None)
             log.info("grant %s revoked", g)
+        for hook in self.after_revoke:
+            hook()
 
     def grants_of_person(self, data: dict, person_id: str) -> list:
         """Return the ids of a person's grants and of all those they made, in `data`."""
@@ -12862,6 +12987,15 @@ class GrantStore:
         data = self.state.read()
         g = next((g for g in data.get("grants", []) if g["id"] == grant_id), None)
         return principal_of(data, g) if g else Principal("key", "read", reach=Reach())
+
+    def current(self, principal: Principal) -> Principal | None:
+        """Return who a principal acts as now, from the state as it is (its reach follows
+        shares made or ended since); None when its grant was revoked or expired."""
+        if not principal.grant_id:
+            return principal
+        data, now = self.state.read(), self.clock()
+        g = next((g for g in data.get("grants", []) if g["id"] == principal.grant_id), None)
+        return principal_of(data, g) if g is not None and self.expires(g) > now else None
 
     def person_sees(self, person_id: str, path: str) -> bool:
         """Return whether a person reaches a path (their home, a folder shared with them)."""
@@ -13349,6 +13483,9 @@ class PeopleStore:
         # (data, the person's id) -> None, run inside a removal's state change: what a
         # person holds beyond grants (the chats bound to them) ends with them in one write
         self.on_remove: list = []
+        # () -> None, after a change of who reaches what (a share, a removal, a move): the
+        # change feeds waiting for someone look at their reach again
+        self.after_change: list = []
 
     # -- reading ------------------------------------------------------------------------
 
@@ -13359,6 +13496,16 @@ class PeopleStore:
         if not isinstance(person_id, str):
             return None
         return next((p for p in self.people(data) if p["id"] == person_id), None)
+
+    def home_of(self, person_id: str) -> str:
+        """Return a person's home folder ("" for the owner, or someone gone)."""
+        person = self.get(person_id) if person_id else None
+        return person["home"] if person else ""
+
+    def holder(self, path: str) -> str:
+        """Return the id of the person whose home holds a path ("": nobody's, the owner's)."""
+        person = next((p for p in self.people() if inside(path, p["home"])), None)
+        return person["id"] if person else ""
 
     def name_of(self, person_id: str, data: dict | None = None) -> str:
         person = self.get(person_id, data)
@@ -13479,8 +13626,13 @@ class PeopleStore:
 
         gone = self.state.update(change)
         self.grants.ended(gone)
+        self._changed()
         log.info("person %s removed (%d grants ended)", person_id, len(gone))
         return gone
+
+    def _changed(self) -> None:
+        for hook in self.after_change:
+            hook()
 
     # -- sharing --------------------------------------------------------------------------
 
@@ -13556,6 +13708,7 @@ class PeopleStore:
                 members.pop(folder, None)
 
         self.state.update(change)
+        self._changed()
         log.info("folder %s shared with %d people", folder, len(wanted))
         return [self._member_row(m, self.state.read()) for m in wanted]
 
@@ -13588,6 +13741,7 @@ class PeopleStore:
             d["members"] = {moved(f): m for f, m in d.get("members", {}).items()}
 
         self.state.update(change)
+        self._changed()
         log.info("people: homes and shares follow %s to %s", old, new)
 
 
@@ -13772,6 +13926,10 @@ class Service:
             self.state, idle_days=config.device_idle_days
         )
         self.people = PeopleStore(self.state, self.grants, self.notes)  # and shared folders
+        self.notes.person = self.acting_person  # the feed names a person's changes
+        # who sees what changed: the waiting change feeds look at their principal again
+        self.grants.after_revoke.append(self.journal.nudge)
+        self.people.after_change.append(self.journal.nudge)
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
@@ -13784,7 +13942,11 @@ class Service:
         """Return the name of the grant the current request acts for (a device's or a
         key's, an app's; a person's as `<person> · <device>`), as versions record it; None
         for the owner or outside a request."""
-        grant_id = request_principal().grant_id
+        who, via = request_principal(), acting_via()
+        if via:  # a chat bound to a person: "<person> · <channel>"
+            person = self.people.get(who.person)
+            return f"{person['name']} · {via}" if person else None
+        grant_id = who.grant_id
         if not grant_id:
             return None
         data = self.state.read()
@@ -13794,6 +13956,12 @@ class Service:
                 person = self.people.get(g.get("person"), data)
                 return f"{person['name']} · {name}" if person else name
         return None
+
+    def acting_person(self) -> dict | None:
+        """Return {id, name} of the person the current request (or chat) acts for; None
+        for the owner."""
+        person = self.people.get(request_principal().person)
+        return {"id": person["id"], "name": person["name"]} if person else None
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
@@ -14973,9 +15141,28 @@ EXTENSION_OF_TYPE.update({"audio/opus": "ogg", "audio/x-m4a": "m4a", "image/jpg"
 EXTENSION_OF_KIND = {"photo": "jpg", "image": "jpg", "voice": "ogg", "video_note": "mp4"}
 
 
+def daily_folder(principal: Principal) -> str:
+    """Return where whoever acts keeps daily notes: a person's <home>/daily (a grant of
+    theirs narrowed to a folder: <folder>/daily), the owner's notes/daily."""
+    return f"{principal.home}/daily" if principal.person and principal.home else DAILY_FOLDER
+
+
+def inbox_attachments(principal: Principal) -> str:
+    """Return where captured files go: attachments/inbox, a person's attachments/<home
+    without notes/>/inbox."""
+    if principal.person and principal.home:
+        return f"{ATTACHMENTS}{principal.home[len(NOTES) :]}/inbox"
+    return f"{ATTACHMENTS}/inbox"
+
+
 def capture_note(svc: Service, channel: dict, now: dt.datetime) -> tuple:
     """Return (path, heading) of the note a channel's captures go to today: the daily
-    note, or a note per day in the channel's saveTo folder."""
+    note, or a note per day in the channel's saveTo folder; a person's chat, their daily
+    note (saveTo is the owner's)."""
+    who = request_principal()
+    if who.person:  # (a grant of theirs narrowed to a folder shared for reading: 403)
+        path, heading = day_note(now.date(), daily_folder(who))
+        return visible_note(svc.notes, path, who, write=True), heading
     folder = channel.get("config", {}).get("saveTo") or DAILY_FOLDER
     return day_note(now.date(), folder)
 
@@ -15009,9 +15196,9 @@ def _safe_stem(media: dict) -> str:
 
 
 def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: list, caption: str):
-    """Store each file of a message as an attachment under attachments/inbox/<date>/, link
-    it from the day's note with the caption (and a voice message's transcript); return the
-    reply for the sender."""
+    """Store each file of a message as an attachment under attachments/inbox/<date>/ (a
+    person's: attachments/<home>/inbox/<date>/), link it from the day's note with the
+    caption (and a voice message's transcript); return the reply for the sender."""
     if prov.fetch is None:
         return "This channel cannot fetch files."
     now = local_now(svc)
@@ -15053,7 +15240,8 @@ def _capture_one(svc: Service, channel: dict, prov: ChannelProvider, item, note,
     if isinstance(size, int) and size > limit:
         raise UpstreamError(f"the file is over {limit} bytes (SERVICE_MAX_ATTACHMENT_BYTES)")
     stem = _safe_stem(item)
-    path = attachment_path(f"{ATTACHMENTS}/inbox/{now:%Y-%m-%d}/{now:%H%M%S}-{stem}.{ext}")
+    inbox = inbox_attachments(request_principal())
+    path = attachment_path(f"{inbox}/{now:%Y-%m-%d}/{now:%H%M%S}-{stem}.{ext}")
 
     def download(f) -> None:
         prov.fetch(svc, channel["config"], item, f.write, limit)
@@ -15687,10 +15875,27 @@ def redact_channel(channel: dict, providers: Mapping[str, ChannelProvider]) -> d
     config = {
         k: (redact(v) if k in secret_fields and v else v) for k, v in channel["config"].items()
     }
-    shown = {k: v for k, v in channel.items() if k != "refusedSenders"}  # GET /channels/:id
+    shown = {k: v for k, v in channel.items() if k not in ("refusedSenders", "linkedChats")}
     if "binding" in shown:  # its code is never shown again: only until when it lives
         shown["binding"] = {"until": shown["binding"].get("until")}
+    if "links" in shown:  # people's codes that wait: whose, until when
+        shown["links"] = [{"person": x["person"], "until": x["until"]} for x in shown["links"]]
     return {**shown, "secret": redact(channel["secret"]), "config": config}
+
+
+def channel_chats(channel: dict, providers: Mapping[str, ChannelProvider]) -> list:
+    """Return whose each allowed chat of a channel is: [{chat, person}] (person null: the
+    owner's; a person's chat also has the name it was linked with)."""
+    provider = providers.get(channel["provider"])
+    if provider is None or not provider.allow:
+        return []
+    people = {c["chat"]: c for c in channel.get("linkedChats", [])}
+    return [
+        {"chat": chat, "person": people[chat]["person"], "name": people[chat]["name"]}
+        if chat in people
+        else {"chat": chat, "person": None}
+        for chat in channel["config"].get(provider.allow) or []
+    ]
 
 
 # -- the channel pipeline: secret, lockout, parse, allowlist, command or agent, delivery --
@@ -15824,6 +16029,11 @@ def note_chat_makers(channel: dict, prov: ChannelProvider | None, before: list, 
         channel["chatMakers"] = makers
     else:
         channel.pop("chatMakers", None)
+    linked = [c for c in channel.get("linkedChats", []) if c["chat"] in now]
+    if linked:  # a person's chat taken off the allowlist is no longer theirs
+        channel["linkedChats"] = linked
+    else:
+        channel.pop("linkedChats", None)
 
 
 def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
@@ -15839,6 +16049,11 @@ def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
             waiting = binding is not None and binding.get("createdBy") in gone
             if prov is None or not prov.allow:
                 continue
+            links = [x for x in channel.get("links", []) if x.get("createdBy") not in gone]
+            if len(links) < len(channel.get("links", [])):  # people's codes they asked for
+                channel["links"] = links
+                if not links:
+                    del channel["links"]
             makers = channel.get("chatMakers") or {}
             dropped = [c for c, m in makers.items() if m in gone]
             if not dropped and not waiting:
@@ -15849,6 +16064,11 @@ def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
             note_chat_makers(channel, prov, kept, MADE_BY_OWNER)
             if (channel.get("boundChat") or {}).get("id") in dropped:
                 channel.pop("boundChat")
+            linked = [c for c in channel.get("linkedChats", []) if c["chat"] not in dropped]
+            if len(linked) < len(channel.get("linkedChats", [])):
+                channel["linkedChats"] = linked
+                if not linked:
+                    del channel["linkedChats"]
             if waiting:
                 channel.pop("binding")
             if (allowed or waiting) and not kept:  # nobody now, never anybody
@@ -15893,14 +16113,148 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
     bound = {"id": printable(sender), "name": printable(name or ""), "at": iso(utcnow())}
 
     def apply(channels: list, i: int) -> None:
-        maker = (channels[i].pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
-        channels[i]["config"][prov.allow] = [bound["id"]]
-        channels[i].pop("chatMakers", None)
-        note_chat_makers(channels[i], prov, [], maker)
-        channels[i]["boundChat"] = bound
+        ch = channels[i]
+        maker = (ch.pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
+        # the owner's chats are replaced; the people's stay theirs (this one becomes the owner's)
+        linked = [c for c in ch.get("linkedChats", []) if c["chat"] != bound["id"]]
+        kept = [c for c in ch["config"].get(prov.allow) or [] if c in {x["chat"] for x in linked}]
+        makers = {c: m for c, m in (ch.get("chatMakers") or {}).items() if c in kept}
+        ch["config"][prov.allow] = [bound["id"], *kept]
+        ch["chatMakers"] = makers
+        note_chat_makers(ch, prov, kept, maker)
+        linked = [c for c in linked if c["chat"] in kept]
+        if linked:
+            ch["linkedChats"] = linked
+        else:
+            ch.pop("linkedChats", None)
+        ch["boundChat"] = bound
 
     change_channel(svc, channel["id"], apply)
     log.info("channel %s: bound to chat %s", channel["id"], bound["id"])
+
+
+# -- a person's chats: linked by a code the person asked for, acting as that person -------
+#
+# A channel's `links` are the codes people asked for (POST /channels/:id/link: one each,
+# ten minutes, once); the chat that sends one joins the allowlist as that person's
+# (`linkedChats: [{chat, person, name, at}]`, and in `chatMakers` the grant that asked, so
+# the chat ends with that grant). What such a chat sends acts as that grant: the person's
+# reach, their places; every other allowed chat is the owner's.
+
+LINKED_TEXT = (
+    "Connected to {name}'s notes: what you send here goes to {home}. /save <text> keeps it "
+    "in today's note; /help lists the rest."
+)
+
+
+def new_link(principal: Principal) -> tuple:
+    """Return (a code a person sends the bot, the record kept of it: its hash, until when,
+    whose, which grant asked)."""
+    code, binding = new_binding(made_by(principal))
+    return code, {**binding, "person": principal.person}
+
+
+def live_links(channel: dict) -> list:
+    return [x for x in channel.get("links", []) if epoch_of(x.get("until")) > time.time()]
+
+
+def link_of(channel: dict, text: str) -> dict | None:
+    """Return the person's link whose live code a message is (as binds() reads it)."""
+    return next((x for x in live_links(channel) if binds(x, text)), None)
+
+
+def link_chat(svc: Service, channel: dict, prov: ChannelProvider, sender, name, link) -> dict:
+    """Make the chat that sent a person's code theirs: on the allowlist beside the others,
+    linked to the person and ended with the grant that asked (the code is used up)."""
+    chat = {"chat": printable(sender), "person": link["person"], "name": printable(name or "")}
+    chat["at"] = iso(utcnow())
+
+    def apply(channels: list, i: int) -> dict:
+        ch = channels[i]
+        ch["links"] = [x for x in live_links(ch) if x["codeHash"] != link["codeHash"]]
+        if not ch["links"]:
+            del ch["links"]
+        allowed = list(ch["config"].get(prov.allow) or [])
+        ch["config"][prov.allow] = allowed + [chat["chat"]] * (chat["chat"] not in allowed)
+        makers = {**(ch.get("chatMakers") or {}), chat["chat"]: link["createdBy"]}
+        ch["chatMakers"] = {c: m for c, m in makers.items() if made_by_grant(m)}
+        others = [c for c in ch.get("linkedChats", []) if c["chat"] != chat["chat"]]
+        ch["linkedChats"] = [*others, chat]
+        return ch
+
+    changed = change_channel(svc, channel["id"], apply)
+    log.info("channel %s: chat %s linked to %s", channel["id"], chat["chat"], link["person"])
+    return changed
+
+
+def unlink_chats(channel: dict, prov: ChannelProvider, person: str) -> list:
+    """Take a person's chats off a channel (and their code that waits); return the chats.
+    A channel left with no allowed chat is closed, never opened to anyone."""
+    mine = [c["chat"] for c in channel.get("linkedChats", []) if c["person"] == person]
+    waiting = any(x["person"] == person for x in channel.get("links", []))
+    if waiting:
+        channel["links"] = [x for x in channel["links"] if x["person"] != person]
+        if not channel["links"]:
+            del channel["links"]
+    if not mine:
+        return []
+    allowed = channel["config"].get(prov.allow) or []
+    kept = [c for c in allowed if c not in mine]
+    channel["config"][prov.allow] = kept
+    makers = {c: m for c, m in (channel.get("chatMakers") or {}).items() if c not in mine}
+    channel["chatMakers"] = makers
+    if not makers:
+        del channel["chatMakers"]
+    channel["linkedChats"] = [c for c in channel["linkedChats"] if c["person"] != person]
+    if not channel["linkedChats"]:
+        del channel["linkedChats"]
+    if allowed and not kept:  # nobody now, never anybody
+        channel["binding"] = {"until": iso(time.time())}
+    return mine
+
+
+def unlink_person(providers: Mapping[str, ChannelProvider]) -> Callable:
+    """Return the PeopleStore.on_remove hook: a person removed, their chats go with them
+    (in the removal's own state change)."""
+
+    def unlink(data: dict, person: str) -> None:
+        for channel in data.get("channels", []):
+            prov = providers.get(channel["provider"])
+            if prov is not None and prov.allow:
+                for chat in unlink_chats(channel, prov, person):
+                    log.info("channel %s: chat %s unlinked (its person left)", channel["id"], chat)
+
+    return unlink
+
+
+def chat_principal(svc: Service, channel: dict, sender: str) -> tuple:
+    """Return (whether a chat is a person's, whom it acts for): the grant that linked it
+    (the person's reach as it is now); (False, None) for the owner's chats; (True, None)
+    for a person's chat whose grant ended just now (it acts for nobody)."""
+    linked = any(c["chat"] == sender for c in channel.get("linkedChats", []))
+    maker = (channel.get("chatMakers") or {}).get(sender)
+    if not linked:
+        return False, None
+    found = svc.grants.principal_by_id(maker)
+    who = svc.grants.current(found) if found is not None else None
+    if who is None or not who.person or not who.reach.folders:
+        return True, None
+    return True, who
+
+
+def person_channel(channel: dict, person: str) -> dict:
+    """Return a channel as a person sees it: what it is, whether a chat of theirs can join
+    it, and their own chats only (never its config, secret, or anyone else's chat)."""
+    mine = [
+        {k: c[k] for k in ("chat", "name", "at")}
+        for c in channel.get("linkedChats", [])
+        if c["person"] == person
+    ]
+    waiting = [x["until"] for x in live_links(channel) if x["person"] == person]
+    shown = {k: channel[k] for k in ("id", "provider", "name", "enabled") if k in channel}
+    if channel.get("bot"):
+        shown["bot"] = channel["bot"]
+    return {**shown, "chats": mine, "linkUntil": waiting[0] if waiting else None}
 
 
 def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
@@ -15950,8 +16304,8 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
     if command == "search":
         if not arg:
             return "Usage: /search <words>"
-        try:
-            total, hits = svc.index.search(Query(arg), "", 5, 0)
+        try:  # a person's chat: their reach (the owner's: every note)
+            total, hits = svc.index.search(Query(arg), request_principal().folders, 5, 0)
         except ApiError as e:
             return f"Search: {e.message}"
         if not total:
@@ -15974,7 +16328,7 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
     elif command is not None:
         return f"Unknown command /{command}.\n{HELP_TEXT}"
     try:
-        return ask_agent(svc, arg)["reply"]
+        return ask_agent(svc, arg, folder=request_principal().folders)["reply"]
     except ApiError as e:
         if e.code == "AGENT_DISABLED":
             return "The agent is off on this server; try /search <words>."
@@ -16001,14 +16355,31 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             results.append(_deliver(svc, channel, prov, sender, BOUND_TEXT))
             binding = allowed = None
             continue
-        if (binding and not allowed) or (allowed is not None and sender not in allowed):
+        link = link_of(channel, text) if prov.allow else None
+        if link is not None:  # a person's code: this chat is theirs from now on
+            channel = link_chat(svc, channel, prov, sender, name, link)
+            person = svc.people.get(link["person"]) or {"name": "someone", "home": "?"}
+            reply = LINKED_TEXT.format(name=person["name"], home=person["home"])
+            results.append(_deliver(svc, channel, prov, sender, reply))
+            allowed, binding = allowed_senders(svc, channel, prov), channel.get("binding")
+            continue
+        mine, who = chat_principal(svc, channel, sender)
+        if (
+            (binding and not allowed)
+            or (allowed is not None and sender not in allowed)
+            or (mine and who is None)
+        ):
             refuse_sender(svc, channel, prov, sender, name)
             results.append({"handled": False, "reason": "sender not allowed"})
             continue
-        if media:
-            reply = capture_media(svc, channel, prov, media, text)
-        else:
-            reply = run_command(svc, text.strip(), channel)
+        with acting_as(who, channel.get("name") or prov.name) if who else contextlib.nullcontext():
+            try:
+                if media:
+                    reply = capture_media(svc, channel, prov, media, text)
+                else:
+                    reply = run_command(svc, text.strip(), channel)
+            except ApiError as e:  # a full disk, a place this chat may not write
+                reply = f"That did not work: {e.message}"
         results.append(_deliver(svc, channel, prov, sender, reply))
     if len(results) == 1:
         return results[0]
@@ -16319,9 +16690,17 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
     return found
 
 
+def chats_of(channel: dict, allowed: list, person: str) -> list:
+    """Return the chats of a channel's live ones (`allowed`) that are a person's ("": the
+    owner's, those linked to nobody)."""
+    linked = {c["chat"]: c["person"] for c in channel.get("linkedChats", [])}
+    return [chat for chat in allowed if linked.get(chat, "") == person]
+
+
 class ReminderScheduler:
     """Reminders written in the notes, sent once through every enabled channel with
-    config.notify true (to the senders on its allowlist).
+    config.notify true (to the senders on its allowlist): a note in a person's home to
+    that person's chats, any other note (a shared folder's too) to the owner's.
 
     The notes are read through the index (re-read when a note changes: an edit or a
     delete cancels); what was sent and what was scheduled is kept in
@@ -16532,11 +16911,12 @@ class ReminderScheduler:
             f"{r['line']}\n{r['path']}"
         )
         sent = tried = 0
+        person = svc.people.holder(r["path"])  # a note in a person's home: their chats only
         for channel in channels_of(svc):
             prov = svc.channel_providers.get(channel["provider"])
             if not (prov and prov.send and channel["enabled"] and channel["config"].get("notify")):
                 continue
-            for to in allowed_senders(svc, channel, prov) or []:  # live chats only
+            for to in chats_of(channel, allowed_senders(svc, channel, prov) or [], person):
                 tried += 1
                 try:
                     prov.send(svc, channel["config"], to, text)
@@ -16545,8 +16925,10 @@ class ReminderScheduler:
                     log.warning("channel %s: a reminder was not delivered: %s", channel["id"], e)
         if not tried:
             log.warning(
-                "reminder in %s is due, but no enabled channel has notify: true and an allowlist",
+                "reminder in %s is due, but no enabled channel has notify: true and an "
+                "allowlist with a chat of %s",
                 r["path"],
+                "its person" if person else "the owner",
             )
         else:
             log.info("reminder in %s sent (%d of %d)%s", r["path"], sent, tried, " late" * late)
@@ -17159,6 +17541,7 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     plugins = PLUGINS if readonly else load_plugins(plugins_dir(config))
     svc = Service(config, plugins, *provider_registries(plugins), readonly=readonly)
     svc.grants.on_revoke.append(unbind_chats(svc.channel_providers))  # its chats go with it
+    svc.people.on_remove.append(unlink_person(svc.channel_providers))  # theirs with them
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
     svc.embedder = build_embedder(svc)
@@ -17583,8 +17966,11 @@ builtin_plugin(
 
 
 def daily_today(svc: Service) -> bytes:
-    path, heading = day_note(local_now(svc).date())
-    path = visible_note(svc.notes, path)
+    """POST /plugins/daily/today: today's note of whoever asks (a person's in their home,
+    <home>/daily/YYYY-MM-DD.md), created when missing."""
+    who = request_principal()
+    path, heading = day_note(local_now(svc).date(), daily_folder(who))
+    path = visible_note(svc.notes, path, who, write=True)
     try:
         rec, status = svc.notes.create(path, f"# {heading}\n\n"), 201
     except ApiError as e:
@@ -17598,7 +17984,7 @@ def daily_today(svc: Service) -> bytes:
 builtin_plugin(
     Plugin(
         "daily",
-        description="a note per day: notes/daily/YYYY-MM-DD.md",
+        description="a note per day: notes/daily/YYYY-MM-DD.md (a person's: <home>/daily/)",
         routes=(
             PluginRoute(
                 "POST",
@@ -21113,6 +21499,72 @@ def check_oauth_clients(svc: Service) -> list:
             "nothing: each still needs your approval with the API key.",
             "Nothing to do unless you did not expect it; GET /api/v1/auth/keys lists the "
             "clients you approved.",
+        )
+    ]
+
+
+PERSON_ADMIN_IDLE_DAYS = 90
+
+
+@audit_check
+def check_people_admin_devices(svc: Service) -> list:
+    """People whose admin devices went unused over 90 days (each can add devices and keys
+    of theirs, and share their home): a lost phone, most likely."""
+    now, idle = time.time(), []
+    data = svc.state.read()
+    names = {p["id"]: p["name"] for p in data.get("people", [])}
+    for g in svc.grants.grants():
+        if g.get("person") not in names or g["kind"] != "device" or g["scope"] != "admin":
+            continue
+        stored = next((x for x in data.get("grants", []) if x["id"] == g["id"]), None)
+        if stored is None or svc.grants.expires(stored) <= now:
+            continue  # expired already: it opens nothing
+        last = epoch_of(g.get("lastUsedAt") or g["createdAt"])
+        if last < now - PERSON_ADMIN_IDLE_DAYS * 86400:
+            idle.append((names[g["person"]], clean_name(g["name"], g["id"], 40)))
+    if not idle:
+        return []
+    shown = ", ".join(f"{who}'s {name}" for who, name in sorted(idle)[:5])
+    return [
+        finding(
+            "people-admin-devices-unused",
+            "low",
+            "People's admin devices are unused",
+            f"{len(idle)} admin device(s) of people here went unused for over "
+            f"{PERSON_ADMIN_IDLE_DAYS} days: {shown}. Each can add keys and devices for its "
+            "person and share their home.",
+            "Ask them whether the device is still theirs; remove the ones that are not "
+            "(DELETE /api/v1/auth/keys/:id from their device, or remove the person).",
+        )
+    ]
+
+
+@audit_check
+def check_shared_to_everyone(svc: Service) -> list:
+    """A shared folder every person here may write: fine for a family folder, worth a look
+    when it holds what only some should change."""
+    data = svc.state.read()
+    people = [p["id"] for p in data.get("people", [])]
+    if not people:
+        return []
+    reaches = [person_reach(data, p) for p in people]
+    open_to_all = sorted(
+        folder
+        for folder in data.get("members", {})
+        if all(r.scope_at(folder) == "write" for r in reaches)
+    )
+    if not open_to_all:
+        return []
+    return [
+        finding(
+            "shared-write-everyone",
+            "info",
+            "A folder every person may change",
+            f"{len(open_to_all)} shared folder(s) give write to every person here: "
+            f"{', '.join(open_to_all[:5])}. Anyone of them can change or delete what is "
+            "inside (history keeps every version).",
+            "Nothing to do for a family folder; share read where some should only look "
+            "(PUT /api/v1/folders/:path/members).",
         )
     ]
 
@@ -31538,9 +31990,13 @@ def merge_note(svc: Service, path: str) -> dict:
     content = field(body, "content")
     base = base if base.startswith('"') else f'"{base}"'
     name = clean_name(field(body, "clientName", required=False, max_len=100), "")
-    who = title_filename(name or principal_name(svc, request_principal()))
-    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
+    who = name or principal_name(svc, principal)
+    person = svc.people.get(principal.person)
+    if person is not None:  # a person's copy names them, whatever the client calls itself
+        who = f"{person['name']} · {who}"
+    who = title_filename(who)
+    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     sees = None if principal.whole else principal.sees
     done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)
     bottle.response.set_header("ETag", done["note"]["etag"])
@@ -31863,32 +32319,61 @@ def purge_trash_item(svc: Service, item_id: str) -> dict:
     return {"id": item.id, "purged": True}
 
 
-def _granted_changes(page: dict) -> dict:
-    """Return a page of the change feed as the request's grant sees it: a folder grant gets
-    its folder's changes, a move into it as a creation and a move out of it as a deletion."""
-    who = request_principal()
+def change_view(who: Principal) -> Callable:
+    """Return how a principal that sees part of the notes sees a journal entry: its
+    record, or None. A move into its reach is a creation, a move out of it a deletion
+    (where the note went is not its to know)."""
+
+    def view(entry: tuple) -> dict | None:
+        kind, path, origin = entry[1], entry[2], entry[3]
+        inside = who.sees(path)
+        was = kind == "moved" and who.sees(origin)
+        if not inside and not was:
+            return None
+        c = change_record(entry)
+        if kind != "moved" or (inside and was):
+            return c
+        del c["from"]
+        if inside:  # moved in: to it, the note appears
+            c["kind"] = "created"
+            return c
+        c.pop("etag", None)
+        c.update(kind="deleted", path=origin)
+        return c
+
+    return view
+
+
+def _changes_page(svc: Service, who: Principal, since: int, limit: int) -> dict:
+    """Return a page of the change feed as `who` sees it: all of it, or (a part of the
+    notes: a folder grant, a person) the changes it sees, numbered with gaps."""
     if who.whole:
-        return page
-    seen = []
-    for c in page["changes"]:
-        inside, was = who.sees(c["path"]), c["kind"] == "moved" and who.sees(c.get("from", ""))
-        if c["kind"] == "moved" and inside and not was:
-            c = {**{k: v for k, v in c.items() if k != "from"}, "kind": "created"}
-        elif c["kind"] == "moved" and was and not inside:
-            c = {"seq": c["seq"], "kind": "deleted", "path": c["from"], "at": c["at"]}
-        elif not inside:
-            continue
-        seen.append(c)
-    return {**page, "changes": seen}
+        return svc.journal.read(since, limit)
+    return svc.journal.read_seen(since, limit, change_view(who), who.reach)
+
+
+def _still(svc: Service, who: Principal) -> Principal:
+    """Return who a waiting feed acts as now (its reach as shared now); 401 once revoked."""
+    now = svc.grants.current(who)
+    if now is None:
+        raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+    return now
 
 
 def list_changes(svc: Service) -> dict:
+    who = request_principal()
     if query_str("since") == "latest":  # where to follow from, without reading the journal
-        return {"changes": [], "last": svc.journal.latest(), "more": False}
+        last = (
+            svc.journal.latest()
+            if who.whole
+            else svc.journal.seen_latest(change_view(who), who.reach)
+        )
+        return {"changes": [], "last": last, "more": False}
     since = query_int("since", 0, 0, MAX_SEQ)
     wait = query_int("wait", 0, 0, MAX_WAIT_SECONDS)
     limit = query_int("limit", 100, 1, 1000)
-    page = _granted_changes(svc.journal.read(since, limit))
+    nudges, mark = svc.journal.nudges(), svc.journal.latest()
+    page = _changes_page(svc, who, since, limit)
     if page["changes"] or not wait:
         return page
     # A waiting feed holds a worker thread: at most max_waiters at once, so the others
@@ -31898,16 +32383,18 @@ def list_changes(svc: Service) -> dict:
     else:
         pool, cap = "direct", svc.config.max_waiters
     deadline = time.monotonic() + wait
-    while not page["changes"]:  # a folder grant waits on for a change it may see
-        came = svc.journal.wait_after(page["last"], deadline - time.monotonic(), pool, cap)
+    while True:  # a part of the notes waits on for a change it may see
+        left = deadline - time.monotonic()
+        came = svc.journal.wait_after(mark, left, pool, cap, nudges) if left > 0 else False
         if came is None:
             bottle.response.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
             return {**page, "retryAfter": RETRY_AFTER_SECONDS}
-        after = _granted_changes(svc.journal.read(page["last"], limit))
-        if not came or after["last"] == page["last"] or time.monotonic() >= deadline:
-            return after
-        page = after
-    return page
+        # woken: by a change, or a share or a key that ended; it sees what it reaches now
+        nudges, mark = svc.journal.nudges(), svc.journal.latest()
+        who = _still(svc, who)
+        page = _changes_page(svc, who, since, limit)
+        if page["changes"] or not came:
+            return page
 
 
 # -- search --------------------------------------------------------------------------------
@@ -32924,7 +33411,87 @@ def list_channel_providers(svc: Service) -> dict:
 
 
 def list_channels(svc: Service) -> dict:
-    return {"channels": [redact_channel(c, svc.channel_providers) for c in channels_of(svc)]}
+    """GET /channels: the owner's every channel (redacted); a person's, the channels a chat
+    of theirs may join, with their own chats only."""
+    person, provs = request_principal().person, svc.channel_providers
+    if person:
+        return {
+            "channels": [
+                person_channel(c, person)
+                for c in channels_of(svc)
+                if _linkable(svc, c) or any(x["person"] == person for x in c.get("linkedChats", []))
+            ]
+        }
+    return {
+        "channels": [
+            {**redact_channel(c, svc.channel_providers), "chats": channel_chats(c, provs)}
+            for c in channels_of(svc)
+        ]
+    }
+
+
+def _linkable(svc: Service, channel: dict) -> bool:
+    """Return whether a person's chat may join a channel: switched on, with an allowlist
+    (or closed until a code connects a chat); never one that answers anyone."""
+    prov = svc.channel_providers.get(channel["provider"])
+    if prov is None or not prov.allow or not channel["enabled"]:
+        return False
+    return bool(channel["config"].get(prov.allow)) or "binding" in channel
+
+
+def link_channel(svc: Service, channel_id: str) -> dict:
+    """POST /channels/:id/link (a person): a code their chat sends the bot, ten minutes,
+    once; that chat is theirs from then on (their reach, their places)."""
+    who = request_principal()
+    if not who.person:
+        raise ApiError(
+            403,
+            "FORBIDDEN",
+            f"linking a chat is for a person; the owner connects one with POST "
+            f"{API}/channels/:id/bind or the channel's allowlist",
+        )
+    code, link = new_link(who)
+
+    def apply(channels: list, i: int) -> dict:
+        channel = channels[i]
+        if not _linkable(svc, channel):
+            raise ApiError(
+                409,
+                "CONFLICT",
+                "no chat can join this channel now: it is switched off, or answers anyone "
+                "(the owner gives it an allowlist first)",
+            )
+        waiting = [x for x in live_links(channel) if x["person"] != who.person]
+        channel["links"] = [*waiting, link]
+        return channel
+
+    if not any(c["id"] == channel_id for c in channels_of(svc)):
+        raise not_found(f"no channel {channel_id}")
+    channel = change_channel(svc, channel_id, apply)
+    log.info("channel %s: a chat link for %s", channel_id, who.person)
+    answer = {"bindCode": code, "expiresAt": link["until"]}
+    if channel.get("bot"):
+        answer.update(bot=channel["bot"], link=f"https://t.me/{channel['bot']}?start={code}")
+        svg = qr_svg(answer["link"])
+        if svg:
+            answer["qrSvg"] = svg
+    bottle.response.status = 201
+    return {**answer, "channel": person_channel(channel, who.person)}
+
+
+def unlink_channel(svc: Service, channel_id: str) -> dict:
+    """DELETE /channels/:id/link (a person): their chats leave the channel, and their code
+    that waits ends."""
+    who = request_principal()
+    if not who.person:
+        raise ApiError(403, "FORBIDDEN", "the owner changes the channel's allowlist instead")
+
+    def apply(channels: list, i: int) -> list:
+        prov = svc.channel_providers.get(channels[i]["provider"])
+        return unlink_chats(channels[i], prov, who.person) if prov and prov.allow else []
+
+    gone = change_channel(svc, channel_id, apply)
+    return {"id": channel_id, "unlinked": gone}
 
 
 def create_channel(svc: Service) -> dict:
@@ -33032,7 +33599,9 @@ def get_channel(svc: Service, channel_id: str) -> dict:
     for channel in channels_of(svc):
         if channel["id"] == channel_id:
             refused = channel.get("refusedSenders", [])
-            return {**redact_channel(channel, svc.channel_providers), "refusedSenders": refused}
+            chats = channel_chats(channel, svc.channel_providers)  # whose each chat is
+            shown = redact_channel(channel, svc.channel_providers)
+            return {**shown, "chats": chats, "refusedSenders": refused}
     raise not_found(f"no channel {channel_id}")
 
 
@@ -36574,9 +37143,11 @@ ROUTES = (
         "GET",
         "/channels",
         list_channels,
-        summary="Channels (secrets redacted)",
+        summary="Channels (secrets redacted); a person's: those a chat of theirs may join, "
+        "with their own chats only",
         tag="channels",
         scope="admin",
+        people=True,
     ),
     Route(
         "POST",
@@ -36630,6 +37201,25 @@ ROUTES = (
         tag="channels",
         scope="admin",
         secret=True,
+    ),
+    Route(
+        "POST",
+        "/channels/<channel_id>/link",
+        link_channel,
+        summary="A person's one-time code (10 minutes): the chat that sends it to the bot "
+        "becomes theirs (their reach, their places)",
+        status=201,
+        tag="channels",
+        scope="write",
+        secret=True,
+    ),
+    Route(
+        "DELETE",
+        "/channels/<channel_id>/link",
+        unlink_channel,
+        summary="A person's chats leave the channel (and their code that waits ends)",
+        tag="channels",
+        scope="write",
     ),
     Route(
         "DELETE",

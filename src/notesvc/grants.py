@@ -253,8 +253,33 @@ def made_by_grant(created_by: Any) -> bool:
     return isinstance(created_by, str) and created_by not in (MADE_BY_OWNER, MADE_BY_CLI)
 
 
+_ACTING = threading.local()  # (principal, via) while a chat bound to someone is served
+
+
+@contextlib.contextmanager
+def acting_as(principal: Principal, via: str = ""):
+    """Let what runs inside act for `principal` in this thread (a chat bound to a person
+    acts as the grant that linked it): request_principal() answers it, `via` names it."""
+    before = getattr(_ACTING, "who", None)
+    _ACTING.who = (principal, via)
+    try:
+        yield principal
+    finally:
+        _ACTING.who = before
+
+
+def acting_via() -> str:
+    """Return the name of what this thread acts through (a chat's channel), "" if nothing."""
+    who = getattr(_ACTING, "who", None)
+    return who[1] if who else ""
+
+
 def request_principal() -> Principal:
-    """Return who the current request acts for (the owner outside a protected request)."""
+    """Return who the current request acts for (the owner outside a protected request;
+    inside acting_as, whom that names)."""
+    who = getattr(_ACTING, "who", None)
+    if who is not None:
+        return who[0]
     try:
         return bottle.request.environ.get("notesvc.principal", OWNER)
     except (AttributeError, RuntimeError, KeyError):
@@ -678,6 +703,7 @@ class GrantStore:
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
+        self.after_revoke: list = []  # () -> None after it: waiting change feeds look again
         self.registrations = RateLimit(REGISTRATIONS_PER_MINUTE)
         self.public_hits = RateLimit(60)  # shared notes and consent facts, per address
         self.share_misses = Lockout(what="unknown links")  # share and feed tokens, per address
@@ -999,6 +1025,8 @@ class GrantStore:
         for g in gone:
             self._used.pop(g, None)
             log.info("grant %s revoked", g)
+        for hook in self.after_revoke:
+            hook()
 
     def grants_of_person(self, data: dict, person_id: str) -> list:
         """Return the ids of a person's grants and of all those they made, in `data`."""
@@ -1017,6 +1045,15 @@ class GrantStore:
         data = self.state.read()
         g = next((g for g in data.get("grants", []) if g["id"] == grant_id), None)
         return principal_of(data, g) if g else Principal("key", "read", reach=Reach())
+
+    def current(self, principal: Principal) -> Principal | None:
+        """Return who a principal acts as now, from the state as it is (its reach follows
+        shares made or ended since); None when its grant was revoked or expired."""
+        if not principal.grant_id:
+            return principal
+        data, now = self.state.read(), self.clock()
+        g = next((g for g in data.get("grants", []) if g["id"] == principal.grant_id), None)
+        return principal_of(data, g) if g is not None and self.expires(g) > now else None
 
     def person_sees(self, person_id: str, path: str) -> bool:
         """Return whether a person reaches a path (their home, a folder shared with them)."""

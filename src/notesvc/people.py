@@ -63,6 +63,9 @@ class PeopleStore:
         # (data, the person's id) -> None, run inside a removal's state change: what a
         # person holds beyond grants (the chats bound to them) ends with them in one write
         self.on_remove: list = []
+        # () -> None, after a change of who reaches what (a share, a removal, a move): the
+        # change feeds waiting for someone look at their reach again
+        self.after_change: list = []
 
     # -- reading ------------------------------------------------------------------------
 
@@ -73,6 +76,16 @@ class PeopleStore:
         if not isinstance(person_id, str):
             return None
         return next((p for p in self.people(data) if p["id"] == person_id), None)
+
+    def home_of(self, person_id: str) -> str:
+        """Return a person's home folder ("" for the owner, or someone gone)."""
+        person = self.get(person_id) if person_id else None
+        return person["home"] if person else ""
+
+    def holder(self, path: str) -> str:
+        """Return the id of the person whose home holds a path ("": nobody's, the owner's)."""
+        person = next((p for p in self.people() if inside(path, p["home"])), None)
+        return person["id"] if person else ""
 
     def name_of(self, person_id: str, data: dict | None = None) -> str:
         person = self.get(person_id, data)
@@ -193,8 +206,13 @@ class PeopleStore:
 
         gone = self.state.update(change)
         self.grants.ended(gone)
+        self._changed()
         log.info("person %s removed (%d grants ended)", person_id, len(gone))
         return gone
+
+    def _changed(self) -> None:
+        for hook in self.after_change:
+            hook()
 
     # -- sharing --------------------------------------------------------------------------
 
@@ -270,6 +288,7 @@ class PeopleStore:
                 members.pop(folder, None)
 
         self.state.update(change)
+        self._changed()
         log.info("folder %s shared with %d people", folder, len(wanted))
         return [self._member_row(m, self.state.read()) for m in wanted]
 
@@ -302,4 +321,5 @@ class PeopleStore:
             d["members"] = {moved(f): m for f, m in d.get("members", {}).items()}
 
         self.state.update(change)
+        self._changed()
         log.info("people: homes and shares follow %s to %s", old, new)

@@ -27,8 +27,8 @@ from notesvc.notes.paths import (
 )
 from notesvc.providers.agent import AGENT_PROVIDERS
 from notesvc.providers.base import TOOLS, collecting_registrations
-from notesvc.providers.capture import local_now
-from notesvc.providers.channels import CHANNEL_PROVIDERS, unbind_chats
+from notesvc.providers.capture import daily_folder, local_now
+from notesvc.providers.channels import CHANNEL_PROVIDERS, unbind_chats, unlink_person
 from notesvc.providers.embed import build_embedder
 from notesvc.providers.polling import ChannelPollers
 from notesvc.providers.reminders import ReminderScheduler
@@ -142,6 +142,7 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     plugins = PLUGINS if readonly else load_plugins(plugins_dir(config))
     svc = Service(config, plugins, *provider_registries(plugins), readonly=readonly)
     svc.grants.on_revoke.append(unbind_chats(svc.channel_providers))  # its chats go with it
+    svc.people.on_remove.append(unlink_person(svc.channel_providers))  # theirs with them
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
     svc.embedder = build_embedder(svc)
@@ -566,8 +567,11 @@ builtin_plugin(
 
 
 def daily_today(svc: Service) -> bytes:
-    path, heading = day_note(local_now(svc).date())
-    path = visible_note(svc.notes, path)
+    """POST /plugins/daily/today: today's note of whoever asks (a person's in their home,
+    <home>/daily/YYYY-MM-DD.md), created when missing."""
+    who = request_principal()
+    path, heading = day_note(local_now(svc).date(), daily_folder(who))
+    path = visible_note(svc.notes, path, who, write=True)
     try:
         rec, status = svc.notes.create(path, f"# {heading}\n\n"), 201
     except ApiError as e:
@@ -581,7 +585,7 @@ def daily_today(svc: Service) -> bytes:
 builtin_plugin(
     Plugin(
         "daily",
-        description="a note per day: notes/daily/YYYY-MM-DD.md",
+        description="a note per day: notes/daily/YYYY-MM-DD.md (a person's: <home>/daily/)",
         routes=(
             PluginRoute(
                 "POST",

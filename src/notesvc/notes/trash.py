@@ -237,23 +237,40 @@ def _change_of(line: bytes, after: int) -> tuple | None:
         return None
     origin = d.get("from") if d["kind"] == "moved" else d.get("conflictOf")
     by = d.get("by") if isinstance(d.get("by"), str) else None
-    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""), by)
+    person = d.get("person")
+    if not (
+        isinstance(person, dict)
+        and isinstance(person.get("id"), str)
+        and isinstance(person.get("name"), str)
+    ):
+        person = None
+    else:
+        person = {"id": person["id"], "name": person["name"]}
+    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""), by, person)
 
 
 def change_record(entry: tuple, stored: bool = False) -> dict:
-    """Return a journal entry (seq, kind, path, origin, etag, at, by) as the feed gives it:
-    the origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps
-    an edit of). `stored`: as the journal's file keeps it, with `by` (who created a note, as
-    history's savedBy: the note's history shows it, the feed does not)."""
-    seq, kind, path, origin, etag, at, by = entry
+    """Return a journal entry (seq, kind, path, origin, etag, at, by, person) as the feed
+    gives it: the origin is a move's `from`, a created conflict copy's `conflictOf` (the
+    note it keeps an edit of); a person's change names them (`person: {id, name}`) and the
+    device (`savedBy`, as history's). `stored`: as the journal's file keeps it, with `by`
+    (who created a note, as history's savedBy: the note's history shows it, the feed
+    shows it for a person's changes only)."""
+    seq, kind, path, origin, etag, at, by, person = entry
     rec = {"seq": seq, "kind": kind, "path": path}
     if origin is not None:
         rec["from" if kind == "moved" else "conflictOf"] = origin
     if etag is not None:
         rec["etag"] = etag
     rec["at"] = at
-    if stored and by is not None:
-        rec["by"] = by
+    if stored:
+        if by is not None:
+            rec["by"] = by
+        if person is not None:
+            rec["person"] = person
+    elif person is not None:
+        rec["person"] = dict(person)
+        rec["savedBy"] = by
     return rec
 
 
@@ -289,6 +306,10 @@ class ChangeJournal:
         self._compact_at = 0  # after a failed compaction: when to try again
         self._waiting: collections.Counter = collections.Counter()
         self._closed = False
+        self._nudges = 0  # bumped when who sees what changed: waiting feeds look again
+        # a reach -> (the newest number looked at, the newest change it sees up to there):
+        # a feed that sees few changes pays only for those since it last asked
+        self._seen: collections.OrderedDict = collections.OrderedDict()
 
     def open(self) -> ChangeJournal:
         """Read the journal, creating it when missing; a torn last line is dropped."""
@@ -386,14 +407,16 @@ class ChangeJournal:
         origin: str | None = None,
         reserved: bool = True,
         by: str | None = None,
+        person: dict | None = None,
     ) -> int:
         """Record a change that was made, wake the waiting feeds; return its number. `by`:
-        who made a note (a `created` entry's), as history's savedBy."""
+        who made it, as history's savedBy (kept for a `created` entry, and for a person's
+        changes); `person`: {id, name} of the person who made it."""
         with self._cond:
             if reserved:
                 self._promised = max(0, self._promised - 1)
             seq = self.last + 1
-            entry = (seq, kind, path, origin, etag, iso(self.clock()), by)
+            entry = (seq, kind, path, origin, etag, iso(self.clock()), by, person)
             if self._open:
                 line = to_json(change_record(entry, stored=True)) + b"\n"
                 try:
@@ -448,12 +471,64 @@ class ChangeJournal:
             "more": more,
         }
 
+    def _newest_seen(self, view: Callable, key: Any) -> tuple:
+        """Return (floor, entries, numbers, how many, the newest number view sees or None)
+        of the journal as it is now, looking only at what came since `key` last asked."""
+        with self._cond:
+            floor, entries, seqs, n = self.floor, self._entries, self._seqs, len(self._entries)
+            upto, newest = self._seen.pop(key, (-1, None))
+            self._seen[key] = (upto, newest)  # the most recently asked last
+        stop = bisect.bisect_right(seqs, upto, 0, n)
+        for j in range(n - 1, stop - 1, -1):  # (entries only grow at the end, or are replaced)
+            if view(entries[j]) is not None:
+                newest = seqs[j]
+                break
+        with self._cond:
+            self._seen[key] = (max(upto, seqs[n - 1] if n else upto), newest)
+            while len(self._seen) > 256:
+                self._seen.popitem(last=False)
+        return floor, entries, seqs, n, newest
+
+    def read_seen(self, since: int, limit: int, view: Callable, key: Any) -> dict:
+        """Return {changes, last, more} as one principal sees the feed: view(entry) is an
+        entry's record as it sees it, or None (not its to see). The numbers have gaps, and
+        `last` is the newest change it sees: its cursor never moves for a change it may not
+        see, nor tells how many there were. 410 for a cursor below the journal's floor or
+        beyond the newest change it sees. `key` (its reach) keeps how far it looked, so a
+        feed that sees little pays for the changes since it last asked, not all of them."""
+        floor, entries, seqs, n, newest = self._newest_seen(view, key)
+        seen_last = max(floor, newest if newest is not None else floor)
+        if since < floor or since > seen_last:
+            raise gone(
+                "this cursor is no longer answered for here; list the notes again and "
+                f"follow from since={seen_last}"
+            )
+        out, more = [], False
+        if newest is not None and since < newest:
+            for j in range(bisect.bisect_right(seqs, since, 0, n), n):
+                if seqs[j] > newest:
+                    break
+                rec = view(entries[j])
+                if rec is None:
+                    continue
+                if len(out) == limit:
+                    more = True
+                    break
+                out.append(rec)
+        return {"changes": out, "last": out[-1]["seq"] if out else since, "more": more}
+
+    def seen_latest(self, view: Callable, key: Any) -> int:
+        """Return the newest change a principal sees, or the floor (read_seen's view and
+        key): where it follows from."""
+        floor, _, _, _, newest = self._newest_seen(view, key)
+        return max(floor, newest if newest is not None else floor)
+
     def creation(self, path: str) -> tuple | None:
         """Return (at, by, the path it was made at) of the note now at path, its `created`
         entry followed back through its moves, while the journal holds it; None otherwise
         (compacted away, made unseen, or a deletion in between)."""
         with self._cond:
-            for _, kind, at_path, origin, _, at, by in reversed(self._entries):
+            for _, kind, at_path, origin, _, at, by, _ in reversed(self._entries):
                 if at_path != path:
                     continue
                 if kind == "created":
@@ -469,17 +544,37 @@ class ChangeJournal:
         with self._cond:
             return self.last
 
-    def wait_after(self, since: int, timeout: float, pool: str, cap: int) -> bool | None:
-        """Wait up to timeout s for a change after `since`; return whether one came, or
-        None at once when `pool` already has `cap` waiters (each holds a worker thread)."""
+    def wait_after(
+        self, since: int, timeout: float, pool: str, cap: int, nudges: int | None = None
+    ) -> bool | None:
+        """Wait up to timeout s for a change after `since` (or, given `nudges`, a nudge()
+        after that count); return whether one came, or None at once when `pool` already
+        has `cap` waiters (each holds a worker thread)."""
         with self._cond:
             if self._waiting[pool] >= cap:
                 return None
             self._waiting[pool] += 1
+
+            def woken() -> bool:
+                nudged = nudges is not None and self._nudges != nudges
+                return self.last > since or self._closed or nudged
+
             try:
-                return self._cond.wait_for(lambda: self.last > since or self._closed, timeout)
+                return self._cond.wait_for(woken, timeout)
             finally:
                 self._waiting[pool] -= 1
+
+    def nudges(self) -> int:
+        """Return how many times who sees what changed (wait_after's `nudges`)."""
+        with self._cond:
+            return self._nudges
+
+    def nudge(self) -> None:
+        """Wake the waiting feeds to look at their principal again: a share ended, a key
+        was revoked (what a feed shows is cut at once, a waiting one too)."""
+        with self._cond:
+            self._nudges += 1
+            self._cond.notify_all()
 
     def waiting(self) -> int:
         with self._cond:
