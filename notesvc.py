@@ -32353,10 +32353,18 @@ def _changes_page(svc: Service, who: Principal, since: int, limit: int) -> dict:
 
 
 def _still(svc: Service, who: Principal) -> Principal:
-    """Return who a waiting feed acts as now (its reach as shared now); 401 once revoked."""
+    """Return who a waiting feed acts as now (its reach as shared now); 401 once revoked,
+    410 once a folder it followed is no longer shared with it (its list lost notes the
+    feed cannot name: it lists again)."""
     now = svc.grants.current(who)
     if now is None:
         raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+    if any(not now.sees(folder) for folder, _ in who.reach.folders):
+        latest = svc.journal.seen_latest(change_view(now), now.reach)
+        raise gone(
+            f"a folder this key followed is no longer shared with it; list the notes again "
+            f"and follow from since={latest}"
+        )
     return now
 
 

@@ -8,22 +8,30 @@ import json
 import re
 import threading
 import time
+import types
 import urllib.parse
 
 import pytest
+import webtest
 
 from conftest import (
     API,
+    KEY,
+    PNG,
     assert_error,
+    att_url,
     data,
     feed,
     note_url,
+    notesvc,
     put_note,
+    running,
     update,
     versions_of,
     wait_for,
     with_key,
 )
+from standins import MINIMAL_CONFIG, telegram_update
 from test_people import device_of
 
 FAMILY = "notes%2FFamily"
@@ -156,25 +164,38 @@ class TestPeopleFeed:
         assert entry["savedBy"] == "Bob · Bob's phone"
 
     def test_a_waiting_feed_is_cut_when_the_share_ends(self, house):
-        owner, ann, as_ann, _bob, as_bob = house
+        owner, _ann, as_ann, bob, as_bob = house
         journal = owner.app.service.journal
         last = feed(as_ann)["last"]
         answer: dict = {}
 
-        def wait():
-            answer["seen"] = data(as_ann.get(f"{API}/changes?since={last}&wait=20"))
+        def wait(since: int) -> None:
+            path = f"{API}/changes?since={since}&wait=20"
+            answer["resp"] = as_ann.get(path, status="*")
 
-        reader = threading.Thread(target=wait)
+        reader = threading.Thread(target=wait, args=(last,))
         reader.start()
         wait_for(lambda: journal.waiting() == 1)
-        share(owner, "notes/Family", (_bob, "write"))  # Ann is no longer a member ...
-        update(as_bob, "notes/Family/list.md", "after she left")  # ... so not hers
-        wait_for(lambda: journal.waiting() == 1)  # woken twice, still waiting
+        update(as_bob, "notes/Bob/todo.md", "not hers")  # woken, nothing of hers: waits on
+        wait_for(lambda: journal.waiting() == 1)
+        assert reader.is_alive()
+        share(owner, "notes/Family", (bob, "write"))  # Ann is no longer a member
+        reader.join(15)
+        assert not reader.is_alive()  # at once: her list holds notes the feed cannot name
+        err = assert_error(answer["resp"], 410, "GONE")
+        assert answer["resp"].json["error"]["resetRequired"] is True
+        latest = data(as_ann.get(f"{API}/changes?since=latest"))["last"]
+        assert err["message"].endswith(f"since={latest}")
+        # from there on: her reach as it is now, the folder's changes no longer hers
+        reader = threading.Thread(target=wait, args=(latest,))
+        reader.start()
+        wait_for(lambda: journal.waiting() == 1)
+        update(as_bob, "notes/Family/list.md", "after she left")
+        wait_for(lambda: journal.waiting() == 1)
         assert reader.is_alive()
         put_note(owner, "notes/Ann/from-owner.md", "for Ann")  # the owner writes in her home
         reader.join(15)
-        assert kinds(answer["seen"]) == [("created", "notes/Ann/from-owner.md")]
-        assert ann["id"]
+        assert kinds(answer["resp"].json["data"]) == [("created", "notes/Ann/from-owner.md")]
 
     def test_a_waiting_feed_ends_at_once_when_its_person_is_removed(self, house):
         owner, ann, as_ann, _bob, _ = house
@@ -348,3 +369,366 @@ class TestPeopleHistory:
         body = {"base": base, "content": "corn bread"}
         resp = owner.post_json(f"{note_url('notes/Family/list.md')}/merge", body, status=409)
         assert "(conflict owner " in assert_error(resp, 409, "CONFLICT")["conflictPath"]
+
+
+def linking_code(as_person, channel_id: str, status: int = 201):
+    resp = as_person.post(f"{API}/channels/{channel_id}/link", status=status)
+    return data(resp) if status == 201 else resp
+
+
+class TestPeopleChats:
+    """A person's chat: linked by a code, their reach, their places, their reminders."""
+
+    @pytest.fixture
+    def home(self, make_app, anon, upstream):
+        """A server whose owner has a Telegram channel (webhook mode, chat 42 allowed),
+        Ann and Bob, a Family folder both write, and notes for /search to find."""
+        app = make_app(SERVICE_TELEGRAM_API_BASE=upstream.url, SERVICE_TIMEZONE="Europe/Paris")
+        owner = with_key(app)
+        config = {**MINIMAL_CONFIG["telegram"], "allowedChatIds": [42], "mode": "webhook"}
+        body = {"provider": "telegram", "name": "notes bot", "config": {**config, "notify": True}}
+        channel = data(owner.post_json(f"{API}/channels", body, status=201))
+        anon = webtest.TestApp(app.app)
+        ann, as_ann = device_of(owner, anon, "Ann")
+        bob, as_bob = device_of(owner, anon, "Bob")
+        put_note(owner, "notes/owner/keys.md", "# Keys\n\nThe spare keys are under the flowerpot.")
+        put_note(owner, "notes/Family/keys.md", "# Car\n\nThe car keys hang by the door.")
+        share(owner, "notes/Family", (ann, "write"), (bob, "write"))
+        return types.SimpleNamespace(
+            owner=owner, channel=channel, ann=ann, as_ann=as_ann, bob=bob, as_bob=as_bob
+        )
+
+    @staticmethod
+    def send(h, text, chat_id: int, **extra) -> dict:
+        """Deliver one Telegram update from a chat through the channel's webhook."""
+        anon = webtest.TestApp(h.owner.app)
+        update = telegram_update(text, chat_id, **extra)
+        headers = {"X-Service-Channel-Secret": h.channel["secret"]}
+        return data(anon.post_json(f"{API}/channels/webhook/telegram", update, headers=headers))
+
+    def link(self, h, as_person, chat_id: int) -> str:
+        code = linking_code(as_person, h.channel["id"])["bindCode"]
+        assert self.send(h, f"/start {code}", chat_id) == {"handled": True, "delivered": True}
+        return code
+
+    def test_a_code_links_the_chat_that_sends_it_to_the_person(self, home, upstream):
+        h = home
+        made = linking_code(h.as_ann, h.channel["id"])
+        assert set(made) == {"bindCode", "expiresAt", "channel"}
+        assert re.fullmatch(r"[a-z2-7]{12}", made["bindCode"])
+        until = notesvc.epoch_of(made["expiresAt"])
+        assert 590 < until - time.time() <= 600
+        assert made["channel"]["chats"] == []
+        assert self.send(h, f"/start {made['bindCode']}", 77)["handled"] is True
+        assert "Ann's notes" in upstream.sent()[-1]
+        assert "notes/Ann" in upstream.sent()[-1]
+        seen = data(h.owner.get(f"{API}/channels/{h.channel['id']}"))
+        assert seen["chats"] == [
+            {"chat": "42", "person": None},
+            {"chat": "77", "person": h.ann["id"], "name": "Ada"},
+        ]
+        assert seen["config"]["allowedChatIds"] == ["42", "77"]  # beside the owner's
+        assert made["bindCode"] not in json.dumps(seen)
+        listed = data(h.owner.get(f"{API}/channels"))["channels"][0]
+        assert listed["chats"] == seen["chats"]
+        # used up: another chat sending the same code is a refused sender
+        assert self.send(h, f"/start {made['bindCode']}", 88) == {
+            "handled": False,
+            "reason": "sender not allowed",
+        }
+        assert [
+            r["sender"]
+            for r in data(h.owner.get(f"{API}/channels/{h.channel['id']}"))["refusedSenders"]
+        ] == ["88"]
+
+    def test_a_persons_chat_saves_searches_and_answers_within_their_reach(self, home, upstream):
+        h = home
+        self.link(h, h.as_ann, 77)
+        svc = h.owner.app.service
+        day = notesvc.local_now(svc).date()
+        self.send(h, "/save buy oat milk", 77)
+        daily = f"notes/Ann/daily/{day:%Y-%m-%d}.md"
+        assert upstream.sent()[-1] == f"Saved to {daily}."
+        assert "buy oat milk" in data(h.as_ann.get(note_url(daily)))["content"]
+        assert not (svc.config.root / "notes" / "daily").exists()
+        (version,) = [c for c in feed(h.owner)["changes"] if c["path"] == daily]
+        assert version["person"] == {"id": h.ann["id"], "name": "Ann"}
+        assert version["savedBy"] == "Ann · notes bot"
+        self.send(h, "/search keys", 77)
+        said = upstream.sent()[-1]
+        assert "notes/Family/keys.md" in said
+        assert "notes/owner" not in said
+        assert said.startswith("1 note match;")
+        self.send(h, "/search keys", 42)  # the owner's chat: every note
+        assert upstream.sent()[-1].startswith("2 notes match")
+        self.send(h, "/today", 77)
+        assert upstream.sent()[-1].startswith(daily)
+        self.send(h, "where are the spare keys?", 77)  # the agent's sources: her reach
+        assert "flowerpot" not in upstream.sent()[-1]
+        self.send(h, "where are the spare keys?", 42)
+        assert "flowerpot" in upstream.sent()[-1]
+
+    def test_a_photo_from_a_persons_chat_lands_in_their_home(self, home, upstream):
+        h = home
+        self.link(h, h.as_ann, 77)
+        upstream.add_file("ph", "photos/file_1.jpg", PNG)
+        photo = [{"file_id": "ph", "file_unique_id": "u", "width": 8, "height": 8}]
+        self.send(h, None, 77, photo=photo, caption="Whiteboard")
+        day = notesvc.local_now(h.owner.app.service).date()
+        text = data(h.as_ann.get(note_url(f"notes/Ann/daily/{day:%Y-%m-%d}.md")))["content"]
+        m = re.search(
+            r"!\[photo\]\(\.\./\.\./\.\./(attachments/Ann/inbox/\d{4}-\d\d-\d\d/\d{6}-photo\.jpg)\)"
+            r" Whiteboard",
+            text,
+        )
+        assert m, text
+        assert h.as_ann.get(att_url(m.group(1))).body == PNG  # hers to see
+        h.as_bob.get(att_url(m.group(1)), status=404)
+
+    def test_a_person_sees_the_channels_and_their_own_chats_only(self, home):
+        h = home
+        self.link(h, h.as_ann, 77)
+        self.link(h, h.as_bob, 78)
+        (seen,) = data(h.as_ann.get(f"{API}/channels"))["channels"]
+        assert seen["id"] == h.channel["id"]
+        assert [c["chat"] for c in seen["chats"]] == ["77"]
+        assert seen["linkUntil"] is None
+        text = json.dumps(seen)
+        for hidden in ("78", "42", "secret", "botToken", "webhookUrl", "allowedChatIds"):
+            assert hidden not in text, hidden
+        h.as_ann.get(f"{API}/channels/{h.channel['id']}", status=403)
+        h.as_ann.patch_json(f"{API}/channels/{h.channel['id']}", {"name": "x"}, status=403)
+        linking_code(h.as_ann, h.channel["id"])
+        assert data(h.as_ann.get(f"{API}/channels"))["channels"][0]["linkUntil"]
+
+    def test_bad_link_requests(self, home, make_app):
+        h = home
+        assert_error(linking_code(h.owner, h.channel["id"], 403), 403, "FORBIDDEN")
+        assert_error(linking_code(h.as_ann, "ch_nothinghere", 404), 404, "NOT_FOUND")
+        reader = data(h.as_ann.post_json(f"{API}/auth/keys", {"name": "r", "scope": "read"}))
+        as_reader = with_key(h.owner, reader["key"])
+        assert_error(linking_code(as_reader, h.channel["id"], 403), 403, "FORBIDDEN")
+        open_body = {"provider": "web", "config": {}}  # answers anyone: no person's chat joins
+        web = data(h.owner.post_json(f"{API}/channels", open_body, status=201))
+        assert_error(linking_code(h.as_ann, web["id"], 409), 409, "CONFLICT")
+        h.owner.post(f"{API}/channels/{h.channel['id']}/toggle")
+        assert_error(linking_code(h.as_ann, h.channel["id"], 409), 409, "CONFLICT")
+        h.owner.post(f"{API}/channels/{h.channel['id']}/toggle")
+        resp = h.as_ann.post_json(f"{API}/channels/{h.channel['id']}/link", {"x": 1}, status="*")
+        assert resp.status_int in (201, 400)  # a body is not read
+        h.as_ann.post(f"{API}/channels/{'x' * 5000}/link", status=404)
+
+    def test_an_expired_or_replaced_code_links_nothing(self, home, root):
+        h = home
+        first = linking_code(h.as_ann, h.channel["id"])["bindCode"]
+        second = linking_code(h.as_ann, h.channel["id"])["bindCode"]  # replaces hers
+        assert self.send(h, first, 77)["handled"] is False
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["channels"][0]["links"][0]["until"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))
+        assert self.send(h, second, 77)["handled"] is False
+        assert data(h.owner.get(f"{API}/channels/{h.channel['id']}"))["config"][
+            "allowedChatIds"
+        ] == ["42"]
+
+    def test_removing_a_person_unbinds_their_chats_in_the_same_change(self, home, root):
+        h = home
+        self.link(h, h.as_ann, 77)
+        linking_code(h.as_ann, h.channel["id"])  # a code that waits goes too
+        h.owner.delete(f"{API}/people/{h.ann['id']}")
+        stored = json.loads((root / ".notesvc" / "state.json").read_text())["channels"][0]
+        assert stored["config"]["allowedChatIds"] == ["42"]
+        assert "linkedChats" not in stored
+        assert "links" not in stored
+        assert self.send(h, "/save after", 77)["handled"] is False
+        assert self.send(h, "/save still mine", 42)["handled"] is True
+
+    def test_revoking_the_device_that_linked_a_chat_unbinds_it(self, home):
+        h = home
+        laptop = data(h.as_ann.post_json(f"{API}/auth/keys", {"name": "l", "scope": "write"}))
+        as_laptop = with_key(h.owner, laptop["key"])
+        self.link(h, as_laptop, 77)
+        self.send(h, "/save from the chat", 77)
+        h.as_ann.delete(f"{API}/auth/keys/{laptop['id']}")
+        assert self.send(h, "/save after", 77)["handled"] is False
+        chats = data(h.owner.get(f"{API}/channels/{h.channel['id']}"))["chats"]
+        assert chats == [{"chat": "42", "person": None}]
+
+    def test_a_person_unlinks_their_chat_and_the_owner_may_take_it_off(self, home):
+        h = home
+        self.link(h, h.as_ann, 77)
+        self.link(h, h.as_bob, 78)
+        gone = data(h.as_ann.delete(f"{API}/channels/{h.channel['id']}/link"))
+        assert gone == {"id": h.channel["id"], "unlinked": ["77"]}
+        assert self.send(h, "/save x", 77)["handled"] is False
+        assert data(h.as_ann.delete(f"{API}/channels/{h.channel['id']}/link"))["unlinked"] == []
+        h.owner.delete(f"{API}/channels/{h.channel['id']}/link", status=403)
+        url = f"{API}/channels/{h.channel['id']}"
+        h.owner.patch_json(url, {"config": {"allowedChatIds": [42]}})  # the owner's word
+        assert data(h.owner.get(url))["chats"] == [{"chat": "42", "person": None}]
+        h.owner.patch_json(url, {"config": {"allowedChatIds": [42, 78]}})  # back: the owner's
+        assert data(h.owner.get(url))["chats"][1] == {"chat": "78", "person": None}
+
+    def test_the_owners_bind_code_keeps_the_peoples_chats(self, home):
+        h = home
+        self.link(h, h.as_ann, 77)
+        code = data(h.owner.post(f"{API}/channels/{h.channel['id']}/bind"))["bindCode"]
+        self.send(h, code, 99)
+        chats = data(h.owner.get(f"{API}/channels/{h.channel['id']}"))["chats"]
+        assert chats == [
+            {"chat": "99", "person": None},
+            {"chat": "77", "person": h.ann["id"], "name": "Ada"},
+        ]
+
+    def test_reminders_go_to_the_chat_of_the_home_that_holds_them(self, home, upstream):
+        h = home
+        self.link(h, h.as_ann, 77)
+        self.link(h, h.as_bob, 78)
+        svc = h.owner.app.service
+        put_note(h.as_ann, "notes/Ann/dentist.md", "# Dentist\n\n- call ⏰ 2031-01-06 09:00\n")
+        put_note(h.as_bob, "notes/Family/bins.md", "# Bins\n\n- out ⏰ 2031-01-06 09:00\n")
+        put_note(h.owner, "notes/owner/tax.md", "# Tax\n\n- file ⏰ 2031-01-06 09:00\n")
+        clock = types.SimpleNamespace(
+            now=notesvc.timestamp_of(
+                notesvc.dt.datetime(2031, 1, 6, 9, 0), notesvc.time_zone("Europe/Paris")
+            )
+            + 1
+        )
+        svc.reminders.close()
+        svc.notes.after.remove(svc.reminders._note_changed)
+        svc.reminders = notesvc.ReminderScheduler(svc, clock=lambda: clock.now)
+        before = len(upstream.requests)
+        svc.reminders.tick()
+        sent = [
+            (r["json"]["chat_id"], r["json"]["text"].split("\n")[-1])
+            for r in upstream.requests[before:]
+            if r["path"].endswith("/sendMessage")
+        ]
+        assert sorted(sent) == [
+            ("42", "notes/Family/bins.md"),  # a shared folder's: the owner's
+            ("42", "notes/owner/tax.md"),
+            ("77", "notes/Ann/dentist.md"),
+        ]
+        listed = data(h.as_ann.get(f"{API}/reminders"))
+        assert listed["total"] == 0  # sent already (and hers only: below)
+        assert "notes/owner" not in json.dumps(listed)
+
+
+class TestPeopleDaily:
+    def test_todays_note_is_each_persons_own(self, house):
+        owner, _ann, as_ann, _bob, as_bob = house
+        made = data(as_ann.post(f"{API}/plugins/daily/today", status=201))
+        assert re.fullmatch(r"notes/Ann/daily/\d{4}-\d\d-\d\d\.md", made["path"])
+        again = as_ann.post(f"{API}/plugins/daily/today", status=200)
+        assert data(again)["path"] == made["path"]
+        assert data(as_bob.post(f"{API}/plugins/daily/today", status=201))["path"].startswith(
+            "notes/Bob/daily/"
+        )
+        assert data(owner.post(f"{API}/plugins/daily/today", status=201))["path"].startswith(
+            "notes/daily/"
+        )
+        as_ann.get(note_url(made["path"].replace("Ann", "Bob")), status=404)
+
+
+class TestPeopleOnARealServer:
+    """The waiting feed and a person's chat on a real `python notesvc.py`."""
+
+    @staticmethod
+    def household(server) -> tuple:
+        """(the owner's headers, Ann's id, Ann's device headers) on a fresh server."""
+        key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+        owner = {KEY: key}
+        status, _, made = server.request("POST", f"{API}/people", {"name": "Ann"}, owner)
+        assert status == 201
+        claim = {"secret": made["data"]["pairing"]["secret"], "deviceName": "Ann's phone"}
+        status, _, got = server.request("POST", f"{API}/auth/devices/claim", claim)
+        assert status == 201
+        return owner, made["data"]["person"]["id"], {KEY: got["data"]["key"]}
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_waiting_feed_is_cut_by_a_share_ending_and_ended_by_a_removal(self, tmp_path):
+        with running(tmp_path / "root") as server:
+            owner, ann, as_ann = self.household(server)
+            body = {"path": "notes/Family/list.md", "content": "bread"}
+            assert server.request("POST", f"{API}/notes", body, owner)[0] == 201
+            members = {"members": [{"person": ann, "scope": "read"}]}
+            url = f"{API}/folders/{FAMILY}/members"
+            assert server.request("PUT", url, members, owner)[0] == 200
+            last = server.request("GET", f"{API}/changes?since=latest", None, as_ann)[2]
+            since = last["data"]["last"]
+            answers: list = []
+
+            def wait():
+                path = f"{API}/changes?since={since}&wait=25"
+                answers.append(server.request("GET", path, None, as_ann))
+
+            def waiting() -> int:
+                info = server.request("GET", f"{API}/system/info", None, owner)[2]["data"]
+                return info["changes"]["waiting"]
+
+            reader = threading.Thread(target=wait)
+            reader.start()
+            wait_for(lambda: waiting() == 1)
+            assert server.request("PUT", url, {"members": []}, owner)[0] == 200
+            reader.join(20)  # cut at once: 410, list again
+            assert answers[0][0] == 410
+            assert answers[0][2]["error"]["resetRequired"] is True
+            since = server.request("GET", f"{API}/changes?since=latest", None, as_ann)[2]
+            since = since["data"]["last"]
+            reader = threading.Thread(target=wait)
+            reader.start()
+            wait_for(lambda: waiting() == 1)
+            update = {"content": "bread, after she left"}
+            path = note_url("notes/Family/list.md")
+            assert server.request("PUT", path, update, owner)[0] == 200
+            wait_for(lambda: waiting() == 1)  # looked again, nothing of hers: waits on
+            started = time.monotonic()
+            assert server.request("DELETE", f"{API}/people/{ann}", None, owner)[0] == 200
+            reader.join(20)
+            assert time.monotonic() - started < 10  # at once, not at the end of its 25 s
+            (status, _, answer) = answers[1]
+            assert status == 401
+            assert answer["error"]["code"] == "UNAUTHORIZED"
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_persons_chat_on_a_polling_channel_links_saves_and_ends_with_them(
+        self, tmp_path, upstream
+    ):
+        root = tmp_path / "root"
+        env = {"SERVICE_TELEGRAM_API_BASE": upstream.url}
+        with running(root, env=env) as server:
+            owner, ann, as_ann = self.household(server)
+            config = {**MINIMAL_CONFIG["telegram"], "allowedChatIds": [42]}  # polling
+            body = {"provider": "telegram", "name": "notes bot", "config": config}
+            status, _, made = server.request("POST", f"{API}/channels", body, owner)
+            assert status == 201
+            channel = made["data"]["id"]
+            status, _, link = server.request("POST", f"{API}/channels/{channel}/link", None, as_ann)
+            assert status == 201
+            upstream.push(telegram_update(f"/start {link['data']['bindCode']}", 77))
+            wait_for(lambda: any("Ann's notes" in t for t in upstream.sent()))
+            upstream.push(telegram_update("/save oat milk", 77))
+            wait_for(
+                lambda: any(t.startswith("Saved to notes/Ann/daily/") for t in upstream.sent())
+            )
+            (daily,) = (root / "notes" / "Ann" / "daily").glob("*.md")
+            assert "oat milk" in daily.read_text()
+            changes = server.request("GET", f"{API}/changes", None, owner)[2]["data"]["changes"]
+            (saved,) = [c for c in changes if c["path"].startswith("notes/Ann/daily/")]
+            assert saved["savedBy"] == "Ann · notes bot"
+            upstream.push(telegram_update("/save for the owner", 42))
+            wait_for(lambda: (root / "notes" / "daily").is_dir())
+            assert server.request("DELETE", f"{API}/people/{ann}", None, owner)[0] == 200
+            upstream.push(telegram_update("/save after she left", 77))
+
+            def refused() -> list:
+                got = server.request("GET", f"{API}/channels/{channel}", None, owner)[2]["data"]
+                return [r["sender"] for r in got["refusedSenders"]]
+
+            wait_for(lambda: "77" in refused())
+            assert "after she left" not in daily.read_text()
+            got = server.request("GET", f"{API}/channels/{channel}", None, owner)[2]["data"]
+            assert got["chats"] == [{"chat": "42", "person": None}]

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from notesvc.auth import JWT_LIFETIME, jwt_encode, rotate_key
 from notesvc.boot import API, KEY_HEADER, KEY_PREFIX, __version__, bottle, log
-from notesvc.errors import JSON_TYPE, ApiError, bad_request, not_found, ok, to_json
+from notesvc.errors import JSON_TYPE, ApiError, bad_request, gone, not_found, ok, to_json
 from notesvc.grants import (
     Principal,
     clean_name,
@@ -869,10 +869,18 @@ def _changes_page(svc: Service, who: Principal, since: int, limit: int) -> dict:
 
 
 def _still(svc: Service, who: Principal) -> Principal:
-    """Return who a waiting feed acts as now (its reach as shared now); 401 once revoked."""
+    """Return who a waiting feed acts as now (its reach as shared now); 401 once revoked,
+    410 once a folder it followed is no longer shared with it (its list lost notes the
+    feed cannot name: it lists again)."""
     now = svc.grants.current(who)
     if now is None:
         raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+    if any(not now.sees(folder) for folder, _ in who.reach.folders):
+        latest = svc.journal.seen_latest(change_view(now), now.reach)
+        raise gone(
+            f"a folder this key followed is no longer shared with it; list the notes again "
+            f"and follow from since={latest}"
+        )
     return now
 
 
