@@ -20,6 +20,7 @@ from conftest import (
     PNG,
     assert_error,
     att_url,
+    audit,
     data,
     feed,
     note_url,
@@ -629,6 +630,85 @@ class TestPeopleDaily:
             "notes/daily/"
         )
         as_ann.get(note_url(made["path"].replace("Ann", "Bob")), status=404)
+
+
+class TestPeopleAudit:
+    """The audit's two checks of a household (docs/design.md: the audit's table)."""
+
+    @staticmethod
+    def age_devices(root, *names: str) -> None:
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        for g in state["grants"]:
+            if g["name"] in names:
+                g["createdAt"] = g["lastUsedAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))
+
+    def test_a_persons_admin_device_unused_for_90_days_is_low(self, make_app, root):
+        owner = with_key(make_app(SERVICE_DEVICE_IDLE_DAYS="0"))
+        anon = webtest.TestApp(owner.app)
+        device_of(owner, anon, "Ann")
+        device_of(owner, anon, "Bob")
+        got = data(owner.post_json(f"{API}/auth/devices/pairings", {"scope": "admin"}))
+        claim = {"secret": got["secret"], "deviceName": "owner's old tablet"}
+        anon.post_json(f"{API}/auth/devices/claim", claim, status=201)
+        assert "people-admin-devices-unused" not in {f["id"] for f in audit(owner)["findings"]}
+        self.age_devices(root, "Ann's phone", "owner's old tablet")
+        (found,) = [f for f in audit(owner)["findings"] if f["id"] == "people-admin-devices-unused"]
+        assert found["severity"] == "low"
+        assert "Ann's Ann's phone" in found["detail"]  # hers; not the owner's, not Bob's in use
+        assert "1 admin device" in found["detail"]
+        assert "Bob" not in found["detail"]
+
+    def test_an_expired_device_is_not_reported(self, make_app, root):
+        owner = with_key(make_app())  # SERVICE_DEVICE_IDLE_DAYS=90: unused, it has expired
+        device_of(owner, webtest.TestApp(owner.app), "Ann")
+        self.age_devices(root, "Ann's phone")
+        assert "people-admin-devices-unused" not in {f["id"] for f in audit(owner)["findings"]}
+
+    def test_a_folder_every_person_writes_is_info_and_only_then(self, house):
+        owner, ann, _, bob, as_bob = house  # Family: Ann reads, Bob writes
+        before = audit(owner)
+        assert "shared-write-everyone" not in {f["id"] for f in before["findings"]}
+        put_note(as_bob, "notes/Bob/Garden/beds.md", "tomatoes")
+        share(owner, "notes/Bob/Garden", (ann, "write"))  # Bob's home, Ann writes: everyone
+        share(owner, "notes/Family", (ann, "write"), (bob, "write"))
+        (found,) = [f for f in audit(owner)["findings"] if f["id"] == "shared-write-everyone"]
+        assert found["severity"] == "info"
+        assert "2 shared folder(s)" in found["detail"]
+        assert "notes/Bob/Garden" in found["detail"]
+        assert audit(owner)["score"] == before["score"]  # info costs nothing
+
+
+class TestPeopleFeedBadInput:
+    @pytest.mark.parametrize(
+        "query",
+        [
+            "since=-1",
+            "since=abc",
+            "since=1e3",
+            "since=99999999999",
+            "limit=0",
+            "wait=26",
+            "limit=x",
+        ],
+    )
+    def test_a_bad_cursor_is_400_for_a_person_too(self, house, query):
+        _owner, _ann, as_ann, _bob, _ = house
+        assert_error(as_ann.get(f"{API}/changes?{query}", status=400), 400, "VALIDATION_ERROR")
+
+    def test_a_compacted_cursor_is_410_naming_only_their_last(self, house):
+        owner, _ann, as_ann, _bob, _ = house
+        journal = owner.app.service.journal
+        journal.keep = 3
+        for i in range(8):
+            put_note(owner, f"notes/owner/c{i}.md", "x")
+        put_note(owner, "notes/Ann/late.md", "hers")
+        assert journal.floor > 0
+        resp = as_ann.get(f"{API}/changes?since=0", status=410)
+        last = data(as_ann.get(f"{API}/changes?since=latest"))["last"]
+        assert re.findall(r"\d+", assert_error(resp, 410, "GONE")["message"]) == [str(last)]
+        assert kinds(feed(as_ann, journal.floor)) == [("created", "notes/Ann/late.md")]
 
 
 class TestPeopleOnARealServer:
