@@ -15142,25 +15142,25 @@ EXTENSION_OF_KIND = {"photo": "jpg", "image": "jpg", "voice": "ogg", "video_note
 
 
 def daily_folder(principal: Principal) -> str:
-    """Return where whoever acts keeps daily notes: a person's <home>/daily (a grant of
-    theirs narrowed to a folder: <folder>/daily), the owner's notes/daily."""
-    return f"{principal.home}/daily" if principal.person and principal.home else DAILY_FOLDER
+    """Return where whoever acts keeps daily notes: the owner's notes/daily; a person's
+    <home>/daily (a key narrowed to a folder, a folder grant's chat: <folder>/daily)."""
+    return DAILY_FOLDER if principal.whole else f"{principal.home}/daily"
 
 
 def inbox_attachments(principal: Principal) -> str:
-    """Return where captured files go: attachments/inbox, a person's attachments/<home
-    without notes/>/inbox."""
-    if principal.person and principal.home:
-        return f"{ATTACHMENTS}{principal.home[len(NOTES) :]}/inbox"
-    return f"{ATTACHMENTS}/inbox"
+    """Return where captured files go: attachments/inbox; a person's attachments/<home
+    without notes/>/inbox (a folder grant's: its folder's twin)."""
+    if principal.whole:
+        return f"{ATTACHMENTS}/inbox"
+    return f"{ATTACHMENTS}{principal.home[len(NOTES) :]}/inbox"
 
 
 def capture_note(svc: Service, channel: dict, now: dt.datetime) -> tuple:
     """Return (path, heading) of the note a channel's captures go to today: the daily
-    note, or a note per day in the channel's saveTo folder; a person's chat, their daily
-    note (saveTo is the owner's)."""
+    note, or a note per day in the channel's saveTo folder; a person's chat (one that acts
+    for a part of the notes), their own daily note (saveTo is the owner's)."""
     who = request_principal()
-    if who.person:  # (a grant of theirs narrowed to a folder shared for reading: 403)
+    if not who.whole:  # (a key narrowed to a folder shared for reading: 403)
         path, heading = day_note(now.date(), daily_folder(who))
         return visible_note(svc.notes, path, who, write=True), heading
     folder = channel.get("config", {}).get("saveTo") or DAILY_FOLDER
@@ -16135,11 +16135,12 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
 
 # -- a person's chats: linked by a code the person asked for, acting as that person -------
 #
-# A channel's `links` are the codes people asked for (POST /channels/:id/link: one each,
-# ten minutes, once); the chat that sends one joins the allowlist as that person's
-# (`linkedChats: [{chat, person, name, at}]`, and in `chatMakers` the grant that asked, so
-# the chat ends with that grant). What such a chat sends acts as that grant: the person's
-# reach, their places; every other allowed chat is the owner's.
+# A channel's `links` are the codes keys asked for (POST /channels/:id/link: one each
+# waiting, ten minutes, once); the chat that sends one joins the allowlist as the chat of
+# that key's person (`linkedChats: [{chat, person, name, at}]`; person null: the owner's),
+# and in `chatMakers` the grant that asked, so the chat ends with that grant. What such a
+# chat sends acts as that grant: a person's reach and places; every other allowed chat is
+# the owner's.
 
 LINKED_TEXT = (
     "Connected to {name}'s notes: what you send here goes to {home}. /save <text> keeps it "
@@ -16148,10 +16149,10 @@ LINKED_TEXT = (
 
 
 def new_link(principal: Principal) -> tuple:
-    """Return (a code a person sends the bot, the record kept of it: its hash, until when,
-    whose, which grant asked)."""
+    """Return (a code a chat sends the bot, the record kept of it: its hash, until when,
+    whose (a person's id, or None: the owner's), which grant asked)."""
     code, binding = new_binding(made_by(principal))
-    return code, {**binding, "person": principal.person}
+    return code, {**binding, "person": principal.person or None}
 
 
 def live_links(channel: dict) -> list:
@@ -16187,9 +16188,10 @@ def link_chat(svc: Service, channel: dict, prov: ChannelProvider, sender, name, 
     return changed
 
 
-def unlink_chats(channel: dict, prov: ChannelProvider, person: str) -> list:
-    """Take a person's chats off a channel (and their code that waits); return the chats.
-    A channel left with no allowed chat is closed, never opened to anyone."""
+def unlink_chats(channel: dict, prov: ChannelProvider, person: str | None) -> list:
+    """Take a person's chats off a channel (None: those the owner's keys linked), and their
+    codes that wait; return the chats. A channel left with no allowed chat is closed,
+    never opened to anyone."""
     mine = [c["chat"] for c in channel.get("linkedChats", []) if c["person"] == person]
     waiting = any(x["person"] == person for x in channel.get("links", []))
     if waiting:
@@ -16228,21 +16230,22 @@ def unlink_person(providers: Mapping[str, ChannelProvider]) -> Callable:
 
 
 def chat_principal(svc: Service, channel: dict, sender: str) -> tuple:
-    """Return (whether a chat is a person's, whom it acts for): the grant that linked it
-    (the person's reach as it is now); (False, None) for the owner's chats; (True, None)
-    for a person's chat whose grant ended just now (it acts for nobody)."""
+    """Return (whether a chat acts for a key, the principal it acts for): the grant that
+    linked it, as it is now (a person's reach as shared now); (False, None) for the
+    owner's chats (linked by the owner's own key too); (True, None) for a chat whose grant
+    ended just now (it acts for nobody)."""
     linked = any(c["chat"] == sender for c in channel.get("linkedChats", []))
     maker = (channel.get("chatMakers") or {}).get(sender)
-    if not linked:
+    if not linked or maker is None:
         return False, None
     found = svc.grants.principal_by_id(maker)
     who = svc.grants.current(found) if found is not None else None
-    if who is None or not who.person or not who.reach.folders:
+    if who is None or not (who.whole or who.reach.folders):
         return True, None
     return True, who
 
 
-def person_channel(channel: dict, person: str) -> dict:
+def person_channel(channel: dict, person: str | None) -> dict:
     """Return a channel as a person sees it: what it is, whether a chat of theirs can join
     it, and their own chats only (never its config, secret, or anyone else's chat)."""
     mine = [
@@ -16356,10 +16359,14 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             binding = allowed = None
             continue
         link = link_of(channel, text) if prov.allow else None
-        if link is not None:  # a person's code: this chat is theirs from now on
+        if link is not None:  # a key's code: this chat is its person's from now on
             channel = link_chat(svc, channel, prov, sender, name, link)
-            person = svc.people.get(link["person"]) or {"name": "someone", "home": "?"}
-            reply = LINKED_TEXT.format(name=person["name"], home=person["home"])
+            person = svc.people.get(link["person"])
+            reply = (
+                LINKED_TEXT.format(name=person["name"], home=person["home"])
+                if person
+                else BOUND_TEXT
+            )
             results.append(_deliver(svc, channel, prov, sender, reply))
             allowed, binding = allowed_senders(svc, channel, prov), channel.get("binding")
             continue
@@ -16694,7 +16701,7 @@ def chats_of(channel: dict, allowed: list, person: str) -> list:
     """Return the chats of a channel's live ones (`allowed`) that are a person's ("": the
     owner's, those linked to nobody)."""
     linked = {c["chat"]: c["person"] for c in channel.get("linkedChats", [])}
-    return [chat for chat in allowed if linked.get(chat, "") == person]
+    return [chat for chat in allowed if (linked.get(chat) or "") == person]
 
 
 class ReminderScheduler:
@@ -17967,9 +17974,11 @@ builtin_plugin(
 
 def daily_today(svc: Service) -> bytes:
     """POST /plugins/daily/today: today's note of whoever asks (a person's in their home,
-    <home>/daily/YYYY-MM-DD.md), created when missing."""
+    <home>/daily/YYYY-MM-DD.md; a folder grant's stays notes/daily: 404), created when
+    missing."""
     who = request_principal()
-    path, heading = day_note(local_now(svc).date(), daily_folder(who))
+    folder = daily_folder(who) if who.person else DAILY_FOLDER
+    path, heading = day_note(local_now(svc).date(), folder)
     path = visible_note(svc.notes, path, who, write=True)
     try:
         rec, status = svc.notes.create(path, f"# {heading}\n\n"), 201
@@ -33448,17 +33457,11 @@ def _linkable(svc: Service, channel: dict) -> bool:
 
 
 def link_channel(svc: Service, channel_id: str) -> dict:
-    """POST /channels/:id/link (a person): a code their chat sends the bot, ten minutes,
-    once; that chat is theirs from then on (their reach, their places)."""
+    """POST /channels/:id/link: a code a chat sends the bot, ten minutes, once; that chat
+    acts as the key that asked from then on (a person's: their reach, their places)."""
     who = request_principal()
-    if not who.person:
-        raise ApiError(
-            403,
-            "FORBIDDEN",
-            f"linking a chat is for a person; the owner connects one with POST "
-            f"{API}/channels/:id/bind or the channel's allowlist",
-        )
     code, link = new_link(who)
+    made = link["createdBy"]
 
     def apply(channels: list, i: int) -> dict:
         channel = channels[i]
@@ -33469,14 +33472,18 @@ def link_channel(svc: Service, channel_id: str) -> dict:
                 "no chat can join this channel now: it is switched off, or answers anyone "
                 "(the owner gives it an allowlist first)",
             )
-        waiting = [x for x in live_links(channel) if x["person"] != who.person]
+        waiting = [  # one code waits per person (the owner's: per key)
+            x
+            for x in live_links(channel)
+            if x["person"] != link["person"] or (not x["person"] and x["createdBy"] != made)
+        ]
         channel["links"] = [*waiting, link]
         return channel
 
     if not any(c["id"] == channel_id for c in channels_of(svc)):
         raise not_found(f"no channel {channel_id}")
     channel = change_channel(svc, channel_id, apply)
-    log.info("channel %s: a chat link for %s", channel_id, who.person)
+    log.info("channel %s: a chat link for %s", channel_id, who.person or "the owner")
     answer = {"bindCode": code, "expiresAt": link["until"]}
     if channel.get("bot"):
         answer.update(bot=channel["bot"], link=f"https://t.me/{channel['bot']}?start={code}")
@@ -33484,19 +33491,17 @@ def link_channel(svc: Service, channel_id: str) -> dict:
         if svg:
             answer["qrSvg"] = svg
     bottle.response.status = 201
-    return {**answer, "channel": person_channel(channel, who.person)}
+    return {**answer, "channel": person_channel(channel, link["person"])}
 
 
 def unlink_channel(svc: Service, channel_id: str) -> dict:
-    """DELETE /channels/:id/link (a person): their chats leave the channel, and their code
-    that waits ends."""
-    who = request_principal()
-    if not who.person:
-        raise ApiError(403, "FORBIDDEN", "the owner changes the channel's allowlist instead")
+    """DELETE /channels/:id/link: the chats linked for the caller's person (the owner: the
+    ones the owner's keys linked) leave the channel, and their codes that wait end."""
+    person = request_principal().person or None
 
     def apply(channels: list, i: int) -> list:
         prov = svc.channel_providers.get(channels[i]["provider"])
-        return unlink_chats(channels[i], prov, who.person) if prov and prov.allow else []
+        return unlink_chats(channels[i], prov, person) if prov and prov.allow else []
 
     gone = change_channel(svc, channel_id, apply)
     return {"id": channel_id, "unlinked": gone}

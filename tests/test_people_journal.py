@@ -495,7 +495,7 @@ class TestPeopleChats:
         assert [c["chat"] for c in seen["chats"]] == ["77"]
         assert seen["linkUntil"] is None
         text = json.dumps(seen)
-        for hidden in ("78", "42", "secret", "botToken", "webhookUrl", "allowedChatIds"):
+        for hidden in ('"78"', '"42"', "secret", "botToken", "webhookUrl", "allowedChatIds"):
             assert hidden not in text, hidden
         h.as_ann.get(f"{API}/channels/{h.channel['id']}", status=403)
         h.as_ann.patch_json(f"{API}/channels/{h.channel['id']}", {"name": "x"}, status=403)
@@ -504,7 +504,6 @@ class TestPeopleChats:
 
     def test_bad_link_requests(self, home, make_app):
         h = home
-        assert_error(linking_code(h.owner, h.channel["id"], 403), 403, "FORBIDDEN")
         assert_error(linking_code(h.as_ann, "ch_nothinghere", 404), 404, "NOT_FOUND")
         reader = data(h.as_ann.post_json(f"{API}/auth/keys", {"name": "r", "scope": "read"}))
         as_reader = with_key(h.owner, reader["key"])
@@ -564,12 +563,36 @@ class TestPeopleChats:
         assert gone == {"id": h.channel["id"], "unlinked": ["77"]}
         assert self.send(h, "/save x", 77)["handled"] is False
         assert data(h.as_ann.delete(f"{API}/channels/{h.channel['id']}/link"))["unlinked"] == []
-        h.owner.delete(f"{API}/channels/{h.channel['id']}/link", status=403)
+        assert data(h.owner.delete(f"{API}/channels/{h.channel['id']}/link"))["unlinked"] == []
         url = f"{API}/channels/{h.channel['id']}"
         h.owner.patch_json(url, {"config": {"allowedChatIds": [42]}})  # the owner's word
         assert data(h.owner.get(url))["chats"] == [{"chat": "42", "person": None}]
         h.owner.patch_json(url, {"config": {"allowedChatIds": [42, 78]}})  # back: the owner's
         assert data(h.owner.get(url))["chats"][1] == {"chat": "78", "person": None}
+
+    def test_a_chat_acts_as_the_key_that_linked_it_the_owners_too(self, home, upstream):
+        """The owner's own key adds a chat of the owner's beside the others (bind replaces
+        them); a key narrowed to a folder links a chat that stays in that folder."""
+        h = home
+        self.link(h, h.owner, 43)
+        assert upstream.sent()[-1].startswith("Connected:")
+        chats = data(h.owner.get(f"{API}/channels/{h.channel['id']}"))["chats"]
+        assert chats[1] == {"chat": "43", "person": None, "name": "Ada"}
+        self.send(h, "/search keys", 43)
+        assert upstream.sent()[-1].startswith("2 notes match")
+        body = {"name": "family", "scope": "write", "folder": "notes/Family"}
+        family = with_key(h.owner, data(h.owner.post_json(f"{API}/auth/keys", body))["key"])
+        self.link(h, family, 44)
+        self.send(h, "/search keys", 44)
+        assert upstream.sent()[-1].startswith("1 note match;")
+        self.send(h, "/save from the family chat", 44)
+        day = notesvc.local_now(h.owner.app.service).date()
+        assert upstream.sent()[-1] == f"Saved to notes/Family/daily/{day:%Y-%m-%d}.md."
+        assert not (h.owner.app.service.config.root / "notes" / "daily").exists()
+        assert data(h.owner.delete(f"{API}/channels/{h.channel['id']}/link"))["unlinked"] == [
+            "43",
+            "44",
+        ]
 
     def test_the_owners_bind_code_keeps_the_peoples_chats(self, home):
         h = home

@@ -19,6 +19,7 @@ from notesvc.grants import request_principal, visible_note
 from notesvc.notes.paths import (
     ATTACHMENT_TYPES,
     ATTACHMENTS,
+    DAILY_FOLDER,
     MAX_SCAN_CHARS,
     NOTE_PATH_PARAM,
     NOTES,
@@ -568,9 +569,11 @@ builtin_plugin(
 
 def daily_today(svc: Service) -> bytes:
     """POST /plugins/daily/today: today's note of whoever asks (a person's in their home,
-    <home>/daily/YYYY-MM-DD.md), created when missing."""
+    <home>/daily/YYYY-MM-DD.md; a folder grant's stays notes/daily: 404), created when
+    missing."""
     who = request_principal()
-    path, heading = day_note(local_now(svc).date(), daily_folder(who))
+    folder = daily_folder(who) if who.person else DAILY_FOLDER
+    path, heading = day_note(local_now(svc).date(), folder)
     path = visible_note(svc.notes, path, who, write=True)
     try:
         rec, status = svc.notes.create(path, f"# {heading}\n\n"), 201

@@ -111,17 +111,11 @@ def _linkable(svc: Service, channel: dict) -> bool:
 
 
 def link_channel(svc: Service, channel_id: str) -> dict:
-    """POST /channels/:id/link (a person): a code their chat sends the bot, ten minutes,
-    once; that chat is theirs from then on (their reach, their places)."""
+    """POST /channels/:id/link: a code a chat sends the bot, ten minutes, once; that chat
+    acts as the key that asked from then on (a person's: their reach, their places)."""
     who = request_principal()
-    if not who.person:
-        raise ApiError(
-            403,
-            "FORBIDDEN",
-            f"linking a chat is for a person; the owner connects one with POST "
-            f"{API}/channels/:id/bind or the channel's allowlist",
-        )
     code, link = new_link(who)
+    made = link["createdBy"]
 
     def apply(channels: list, i: int) -> dict:
         channel = channels[i]
@@ -132,14 +126,18 @@ def link_channel(svc: Service, channel_id: str) -> dict:
                 "no chat can join this channel now: it is switched off, or answers anyone "
                 "(the owner gives it an allowlist first)",
             )
-        waiting = [x for x in live_links(channel) if x["person"] != who.person]
+        waiting = [  # one code waits per person (the owner's: per key)
+            x
+            for x in live_links(channel)
+            if x["person"] != link["person"] or (not x["person"] and x["createdBy"] != made)
+        ]
         channel["links"] = [*waiting, link]
         return channel
 
     if not any(c["id"] == channel_id for c in channels_of(svc)):
         raise not_found(f"no channel {channel_id}")
     channel = change_channel(svc, channel_id, apply)
-    log.info("channel %s: a chat link for %s", channel_id, who.person)
+    log.info("channel %s: a chat link for %s", channel_id, who.person or "the owner")
     answer = {"bindCode": code, "expiresAt": link["until"]}
     if channel.get("bot"):
         answer.update(bot=channel["bot"], link=f"https://t.me/{channel['bot']}?start={code}")
@@ -147,19 +145,17 @@ def link_channel(svc: Service, channel_id: str) -> dict:
         if svg:
             answer["qrSvg"] = svg
     bottle.response.status = 201
-    return {**answer, "channel": person_channel(channel, who.person)}
+    return {**answer, "channel": person_channel(channel, link["person"])}
 
 
 def unlink_channel(svc: Service, channel_id: str) -> dict:
-    """DELETE /channels/:id/link (a person): their chats leave the channel, and their code
-    that waits ends."""
-    who = request_principal()
-    if not who.person:
-        raise ApiError(403, "FORBIDDEN", "the owner changes the channel's allowlist instead")
+    """DELETE /channels/:id/link: the chats linked for the caller's person (the owner: the
+    ones the owner's keys linked) leave the channel, and their codes that wait end."""
+    person = request_principal().person or None
 
     def apply(channels: list, i: int) -> list:
         prov = svc.channel_providers.get(channels[i]["provider"])
-        return unlink_chats(channels[i], prov, who.person) if prov and prov.allow else []
+        return unlink_chats(channels[i], prov, person) if prov and prov.allow else []
 
     gone = change_channel(svc, channel_id, apply)
     return {"id": channel_id, "unlinked": gone}

@@ -54,25 +54,25 @@ EXTENSION_OF_KIND = {"photo": "jpg", "image": "jpg", "voice": "ogg", "video_note
 
 
 def daily_folder(principal: Principal) -> str:
-    """Return where whoever acts keeps daily notes: a person's <home>/daily (a grant of
-    theirs narrowed to a folder: <folder>/daily), the owner's notes/daily."""
-    return f"{principal.home}/daily" if principal.person and principal.home else DAILY_FOLDER
+    """Return where whoever acts keeps daily notes: the owner's notes/daily; a person's
+    <home>/daily (a key narrowed to a folder, a folder grant's chat: <folder>/daily)."""
+    return DAILY_FOLDER if principal.whole else f"{principal.home}/daily"
 
 
 def inbox_attachments(principal: Principal) -> str:
-    """Return where captured files go: attachments/inbox, a person's attachments/<home
-    without notes/>/inbox."""
-    if principal.person and principal.home:
-        return f"{ATTACHMENTS}{principal.home[len(NOTES) :]}/inbox"
-    return f"{ATTACHMENTS}/inbox"
+    """Return where captured files go: attachments/inbox; a person's attachments/<home
+    without notes/>/inbox (a folder grant's: its folder's twin)."""
+    if principal.whole:
+        return f"{ATTACHMENTS}/inbox"
+    return f"{ATTACHMENTS}{principal.home[len(NOTES) :]}/inbox"
 
 
 def capture_note(svc: Service, channel: dict, now: dt.datetime) -> tuple:
     """Return (path, heading) of the note a channel's captures go to today: the daily
-    note, or a note per day in the channel's saveTo folder; a person's chat, their daily
-    note (saveTo is the owner's)."""
+    note, or a note per day in the channel's saveTo folder; a person's chat (one that acts
+    for a part of the notes), their own daily note (saveTo is the owner's)."""
     who = request_principal()
-    if who.person:  # (a grant of theirs narrowed to a folder shared for reading: 403)
+    if not who.whole:  # (a key narrowed to a folder shared for reading: 403)
         path, heading = day_note(now.date(), daily_folder(who))
         return visible_note(svc.notes, path, who, write=True), heading
     folder = channel.get("config", {}).get("saveTo") or DAILY_FOLDER

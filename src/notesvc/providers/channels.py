@@ -853,11 +853,12 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
 
 # -- a person's chats: linked by a code the person asked for, acting as that person -------
 #
-# A channel's `links` are the codes people asked for (POST /channels/:id/link: one each,
-# ten minutes, once); the chat that sends one joins the allowlist as that person's
-# (`linkedChats: [{chat, person, name, at}]`, and in `chatMakers` the grant that asked, so
-# the chat ends with that grant). What such a chat sends acts as that grant: the person's
-# reach, their places; every other allowed chat is the owner's.
+# A channel's `links` are the codes keys asked for (POST /channels/:id/link: one each
+# waiting, ten minutes, once); the chat that sends one joins the allowlist as the chat of
+# that key's person (`linkedChats: [{chat, person, name, at}]`; person null: the owner's),
+# and in `chatMakers` the grant that asked, so the chat ends with that grant. What such a
+# chat sends acts as that grant: a person's reach and places; every other allowed chat is
+# the owner's.
 
 LINKED_TEXT = (
     "Connected to {name}'s notes: what you send here goes to {home}. /save <text> keeps it "
@@ -866,10 +867,10 @@ LINKED_TEXT = (
 
 
 def new_link(principal: Principal) -> tuple:
-    """Return (a code a person sends the bot, the record kept of it: its hash, until when,
-    whose, which grant asked)."""
+    """Return (a code a chat sends the bot, the record kept of it: its hash, until when,
+    whose (a person's id, or None: the owner's), which grant asked)."""
     code, binding = new_binding(made_by(principal))
-    return code, {**binding, "person": principal.person}
+    return code, {**binding, "person": principal.person or None}
 
 
 def live_links(channel: dict) -> list:
@@ -905,9 +906,10 @@ def link_chat(svc: Service, channel: dict, prov: ChannelProvider, sender, name, 
     return changed
 
 
-def unlink_chats(channel: dict, prov: ChannelProvider, person: str) -> list:
-    """Take a person's chats off a channel (and their code that waits); return the chats.
-    A channel left with no allowed chat is closed, never opened to anyone."""
+def unlink_chats(channel: dict, prov: ChannelProvider, person: str | None) -> list:
+    """Take a person's chats off a channel (None: those the owner's keys linked), and their
+    codes that wait; return the chats. A channel left with no allowed chat is closed,
+    never opened to anyone."""
     mine = [c["chat"] for c in channel.get("linkedChats", []) if c["person"] == person]
     waiting = any(x["person"] == person for x in channel.get("links", []))
     if waiting:
@@ -946,21 +948,22 @@ def unlink_person(providers: Mapping[str, ChannelProvider]) -> Callable:
 
 
 def chat_principal(svc: Service, channel: dict, sender: str) -> tuple:
-    """Return (whether a chat is a person's, whom it acts for): the grant that linked it
-    (the person's reach as it is now); (False, None) for the owner's chats; (True, None)
-    for a person's chat whose grant ended just now (it acts for nobody)."""
+    """Return (whether a chat acts for a key, the principal it acts for): the grant that
+    linked it, as it is now (a person's reach as shared now); (False, None) for the
+    owner's chats (linked by the owner's own key too); (True, None) for a chat whose grant
+    ended just now (it acts for nobody)."""
     linked = any(c["chat"] == sender for c in channel.get("linkedChats", []))
     maker = (channel.get("chatMakers") or {}).get(sender)
-    if not linked:
+    if not linked or maker is None:
         return False, None
     found = svc.grants.principal_by_id(maker)
     who = svc.grants.current(found) if found is not None else None
-    if who is None or not who.person or not who.reach.folders:
+    if who is None or not (who.whole or who.reach.folders):
         return True, None
     return True, who
 
 
-def person_channel(channel: dict, person: str) -> dict:
+def person_channel(channel: dict, person: str | None) -> dict:
     """Return a channel as a person sees it: what it is, whether a chat of theirs can join
     it, and their own chats only (never its config, secret, or anyone else's chat)."""
     mine = [
@@ -1074,10 +1077,14 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             binding = allowed = None
             continue
         link = link_of(channel, text) if prov.allow else None
-        if link is not None:  # a person's code: this chat is theirs from now on
+        if link is not None:  # a key's code: this chat is its person's from now on
             channel = link_chat(svc, channel, prov, sender, name, link)
-            person = svc.people.get(link["person"]) or {"name": "someone", "home": "?"}
-            reply = LINKED_TEXT.format(name=person["name"], home=person["home"])
+            person = svc.people.get(link["person"])
+            reply = (
+                LINKED_TEXT.format(name=person["name"], home=person["home"])
+                if person
+                else BOUND_TEXT
+            )
             results.append(_deliver(svc, channel, prov, sender, reply))
             allowed, binding = allowed_senders(svc, channel, prov), channel.get("binding")
             continue

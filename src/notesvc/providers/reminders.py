@@ -72,7 +72,7 @@ def chats_of(channel: dict, allowed: list, person: str) -> list:
     """Return the chats of a channel's live ones (`allowed`) that are a person's ("": the
     owner's, those linked to nobody)."""
     linked = {c["chat"]: c["person"] for c in channel.get("linkedChats", [])}
-    return [chat for chat in allowed if linked.get(chat, "") == person]
+    return [chat for chat in allowed if (linked.get(chat) or "") == person]
 
 
 class ReminderScheduler:
