@@ -4289,8 +4289,8 @@ class ChangeJournal:
         self._waiting: collections.Counter = collections.Counter()
         self._closed = False
         self._nudges = 0  # bumped when who sees what changed: waiting feeds look again
-        # a reach -> (the newest number looked at, the newest change it sees up to there):
-        # a feed that sees few changes pays only for those since it last asked
+        # folders -> (the newest number looked at, the newest change under them up to
+        # there): a feed that sees few changes pays only for those since it last asked
         self._seen: collections.OrderedDict = collections.OrderedDict()
 
     def open(self) -> ChangeJournal:
@@ -4453,32 +4453,40 @@ class ChangeJournal:
             "more": more,
         }
 
-    def _newest_seen(self, view: Callable, key: Any) -> tuple:
-        """Return (floor, entries, numbers, how many, the newest number view sees or None)
-        of the journal as it is now, looking only at what came since `key` last asked."""
+    def _newest_seen(self, folders: tuple) -> tuple:
+        """Return (floor, entries, numbers, how many, the newest number of a change under
+        `folders` or None) of the journal as it is now, looking only at what came since
+        these folders last asked."""
+        below, exact = tuple(f + "/" for f in folders), frozenset(folders)
         with self._cond:
             floor, entries, seqs, n = self.floor, self._entries, self._seqs, len(self._entries)
-            upto, newest = self._seen.pop(key, (-1, None))
-            self._seen[key] = (upto, newest)  # the most recently asked last
+            upto, newest = self._seen.pop(folders, (-1, None))
+            self._seen[folders] = (upto, newest)  # the most recently asked last
         stop = bisect.bisect_right(seqs, upto, 0, n)
         for j in range(n - 1, stop - 1, -1):  # (entries only grow at the end, or are replaced)
-            if view(entries[j]) is not None:
+            e = entries[j]
+            if (
+                e[2].startswith(below)
+                or e[2] in exact
+                or (e[1] == "moved" and (e[3].startswith(below) or e[3] in exact))
+            ):
                 newest = seqs[j]
                 break
         with self._cond:
-            self._seen[key] = (max(upto, seqs[n - 1] if n else upto), newest)
+            self._seen[folders] = (max(upto, seqs[n - 1] if n else upto), newest)
             while len(self._seen) > 256:
                 self._seen.popitem(last=False)
         return floor, entries, seqs, n, newest
 
-    def read_seen(self, since: int, limit: int, view: Callable, key: Any) -> dict:
-        """Return {changes, last, more} as one principal sees the feed: view(entry) is an
-        entry's record as it sees it, or None (not its to see). The numbers have gaps, and
-        `last` is the newest change it sees: its cursor never moves for a change it may not
-        see, nor tells how many there were. 410 for a cursor below the journal's floor or
-        beyond the newest change it sees. `key` (its reach) keeps how far it looked, so a
-        feed that sees little pays for the changes since it last asked, not all of them."""
-        floor, entries, seqs, n, newest = self._newest_seen(view, key)
+    def read_seen(self, since: int, limit: int, folders: tuple, record: Callable) -> dict:
+        """Return {changes, last, more} as one who sees the notes under `folders` sees the
+        feed: record(entry, inside, was) is an entry's record to it (inside: the entry's
+        path is under them; was: a move's origin is). The numbers have gaps, and `last` is
+        the newest change it sees: its cursor never moves for a change it may not see, nor
+        tells how many there were. 410 for a cursor below the journal's floor or beyond
+        the newest change it sees. What each set of folders saw is kept, so a feed that
+        sees little pays for the changes since it last asked, not all of them."""
+        floor, entries, seqs, n, newest = self._newest_seen(folders)
         seen_last = max(floor, newest if newest is not None else floor)
         if since < floor or since > seen_last:
             raise gone(
@@ -4487,22 +4495,25 @@ class ChangeJournal:
             )
         out, more = [], False
         if newest is not None and since < newest:
+            below, exact = tuple(f + "/" for f in folders), frozenset(folders)
             for j in range(bisect.bisect_right(seqs, since, 0, n), n):
-                if seqs[j] > newest:
+                e = entries[j]
+                if e[0] > newest:
                     break
-                rec = view(entries[j])
-                if rec is None:
+                inside = e[2].startswith(below) or e[2] in exact
+                was = e[1] == "moved" and (e[3].startswith(below) or e[3] in exact)
+                if not inside and not was:
                     continue
                 if len(out) == limit:
                     more = True
                     break
-                out.append(rec)
+                out.append(record(e, inside, was))
         return {"changes": out, "last": out[-1]["seq"] if out else since, "more": more}
 
-    def seen_latest(self, view: Callable, key: Any) -> int:
-        """Return the newest change a principal sees, or the floor (read_seen's view and
-        key): where it follows from."""
-        floor, _, _, _, newest = self._newest_seen(view, key)
+    def seen_latest(self, folders: tuple) -> int:
+        """Return the newest change under `folders`, or the floor: where one who sees
+        them follows from."""
+        floor, _, _, _, newest = self._newest_seen(folders)
         return max(floor, newest if newest is not None else floor)
 
     def creation(self, path: str) -> tuple | None:
@@ -32328,29 +32339,20 @@ def purge_trash_item(svc: Service, item_id: str) -> dict:
     return {"id": item.id, "purged": True}
 
 
-def change_view(who: Principal) -> Callable:
-    """Return how a principal that sees part of the notes sees a journal entry: its
-    record, or None. A move into its reach is a creation, a move out of it a deletion
-    (where the note went is not its to know)."""
-
-    def view(entry: tuple) -> dict | None:
-        kind, path, origin = entry[1], entry[2], entry[3]
-        inside = who.sees(path)
-        was = kind == "moved" and who.sees(origin)
-        if not inside and not was:
-            return None
-        c = change_record(entry)
-        if kind != "moved" or (inside and was):
-            return c
-        del c["from"]
-        if inside:  # moved in: to it, the note appears
-            c["kind"] = "created"
-            return c
-        c.pop("etag", None)
-        c.update(kind="deleted", path=origin)
+def seen_change(entry: tuple, inside: bool, was: bool) -> dict:
+    """Return a journal entry's record to one who sees part of the notes (`inside`: its
+    path is theirs; `was`: a move's origin is): a move into their part is a creation, a
+    move out of it a deletion (where the note went is not theirs to know)."""
+    c = change_record(entry)
+    if entry[1] != "moved" or (inside and was):
         return c
-
-    return view
+    del c["from"]
+    if inside:  # moved in: to them, the note appears
+        c["kind"] = "created"
+        return c
+    c.pop("etag", None)
+    c.update(kind="deleted", path=entry[3])
+    return c
 
 
 def _changes_page(svc: Service, who: Principal, since: int, limit: int) -> dict:
@@ -32358,7 +32360,7 @@ def _changes_page(svc: Service, who: Principal, since: int, limit: int) -> dict:
     notes: a folder grant, a person) the changes it sees, numbered with gaps."""
     if who.whole:
         return svc.journal.read(since, limit)
-    return svc.journal.read_seen(since, limit, change_view(who), who.reach)
+    return svc.journal.read_seen(since, limit, who.folders, seen_change)
 
 
 def _still(svc: Service, who: Principal) -> Principal:
@@ -32369,7 +32371,7 @@ def _still(svc: Service, who: Principal) -> Principal:
     if now is None:
         raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
     if any(not now.sees(folder) for folder, _ in who.reach.folders):
-        latest = svc.journal.seen_latest(change_view(now), now.reach)
+        latest = svc.journal.seen_latest(now.folders)
         raise gone(
             f"a folder this key followed is no longer shared with it; list the notes again "
             f"and follow from since={latest}"
@@ -32380,11 +32382,7 @@ def _still(svc: Service, who: Principal) -> Principal:
 def list_changes(svc: Service) -> dict:
     who = request_principal()
     if query_str("since") == "latest":  # where to follow from, without reading the journal
-        last = (
-            svc.journal.latest()
-            if who.whole
-            else svc.journal.seen_latest(change_view(who), who.reach)
-        )
+        last = svc.journal.latest() if who.whole else svc.journal.seen_latest(who.folders)
         return {"changes": [], "last": last, "more": False}
     since = query_int("since", 0, 0, MAX_SEQ)
     wait = query_int("wait", 0, 0, MAX_WAIT_SECONDS)

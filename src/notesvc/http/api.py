@@ -835,29 +835,20 @@ def purge_trash_item(svc: Service, item_id: str) -> dict:
     return {"id": item.id, "purged": True}
 
 
-def change_view(who: Principal) -> Callable:
-    """Return how a principal that sees part of the notes sees a journal entry: its
-    record, or None. A move into its reach is a creation, a move out of it a deletion
-    (where the note went is not its to know)."""
-
-    def view(entry: tuple) -> dict | None:
-        kind, path, origin = entry[1], entry[2], entry[3]
-        inside = who.sees(path)
-        was = kind == "moved" and who.sees(origin)
-        if not inside and not was:
-            return None
-        c = change_record(entry)
-        if kind != "moved" or (inside and was):
-            return c
-        del c["from"]
-        if inside:  # moved in: to it, the note appears
-            c["kind"] = "created"
-            return c
-        c.pop("etag", None)
-        c.update(kind="deleted", path=origin)
+def seen_change(entry: tuple, inside: bool, was: bool) -> dict:
+    """Return a journal entry's record to one who sees part of the notes (`inside`: its
+    path is theirs; `was`: a move's origin is): a move into their part is a creation, a
+    move out of it a deletion (where the note went is not theirs to know)."""
+    c = change_record(entry)
+    if entry[1] != "moved" or (inside and was):
         return c
-
-    return view
+    del c["from"]
+    if inside:  # moved in: to them, the note appears
+        c["kind"] = "created"
+        return c
+    c.pop("etag", None)
+    c.update(kind="deleted", path=entry[3])
+    return c
 
 
 def _changes_page(svc: Service, who: Principal, since: int, limit: int) -> dict:
@@ -865,7 +856,7 @@ def _changes_page(svc: Service, who: Principal, since: int, limit: int) -> dict:
     notes: a folder grant, a person) the changes it sees, numbered with gaps."""
     if who.whole:
         return svc.journal.read(since, limit)
-    return svc.journal.read_seen(since, limit, change_view(who), who.reach)
+    return svc.journal.read_seen(since, limit, who.folders, seen_change)
 
 
 def _still(svc: Service, who: Principal) -> Principal:
@@ -876,7 +867,7 @@ def _still(svc: Service, who: Principal) -> Principal:
     if now is None:
         raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
     if any(not now.sees(folder) for folder, _ in who.reach.folders):
-        latest = svc.journal.seen_latest(change_view(now), now.reach)
+        latest = svc.journal.seen_latest(now.folders)
         raise gone(
             f"a folder this key followed is no longer shared with it; list the notes again "
             f"and follow from since={latest}"
@@ -887,11 +878,7 @@ def _still(svc: Service, who: Principal) -> Principal:
 def list_changes(svc: Service) -> dict:
     who = request_principal()
     if query_str("since") == "latest":  # where to follow from, without reading the journal
-        last = (
-            svc.journal.latest()
-            if who.whole
-            else svc.journal.seen_latest(change_view(who), who.reach)
-        )
+        last = svc.journal.latest() if who.whole else svc.journal.seen_latest(who.folders)
         return {"changes": [], "last": last, "more": False}
     since = query_int("since", 0, 0, MAX_SEQ)
     wait = query_int("wait", 0, 0, MAX_WAIT_SECONDS)

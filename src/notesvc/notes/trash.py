@@ -307,8 +307,8 @@ class ChangeJournal:
         self._waiting: collections.Counter = collections.Counter()
         self._closed = False
         self._nudges = 0  # bumped when who sees what changed: waiting feeds look again
-        # a reach -> (the newest number looked at, the newest change it sees up to there):
-        # a feed that sees few changes pays only for those since it last asked
+        # folders -> (the newest number looked at, the newest change under them up to
+        # there): a feed that sees few changes pays only for those since it last asked
         self._seen: collections.OrderedDict = collections.OrderedDict()
 
     def open(self) -> ChangeJournal:
@@ -471,32 +471,40 @@ class ChangeJournal:
             "more": more,
         }
 
-    def _newest_seen(self, view: Callable, key: Any) -> tuple:
-        """Return (floor, entries, numbers, how many, the newest number view sees or None)
-        of the journal as it is now, looking only at what came since `key` last asked."""
+    def _newest_seen(self, folders: tuple) -> tuple:
+        """Return (floor, entries, numbers, how many, the newest number of a change under
+        `folders` or None) of the journal as it is now, looking only at what came since
+        these folders last asked."""
+        below, exact = tuple(f + "/" for f in folders), frozenset(folders)
         with self._cond:
             floor, entries, seqs, n = self.floor, self._entries, self._seqs, len(self._entries)
-            upto, newest = self._seen.pop(key, (-1, None))
-            self._seen[key] = (upto, newest)  # the most recently asked last
+            upto, newest = self._seen.pop(folders, (-1, None))
+            self._seen[folders] = (upto, newest)  # the most recently asked last
         stop = bisect.bisect_right(seqs, upto, 0, n)
         for j in range(n - 1, stop - 1, -1):  # (entries only grow at the end, or are replaced)
-            if view(entries[j]) is not None:
+            e = entries[j]
+            if (
+                e[2].startswith(below)
+                or e[2] in exact
+                or (e[1] == "moved" and (e[3].startswith(below) or e[3] in exact))
+            ):
                 newest = seqs[j]
                 break
         with self._cond:
-            self._seen[key] = (max(upto, seqs[n - 1] if n else upto), newest)
+            self._seen[folders] = (max(upto, seqs[n - 1] if n else upto), newest)
             while len(self._seen) > 256:
                 self._seen.popitem(last=False)
         return floor, entries, seqs, n, newest
 
-    def read_seen(self, since: int, limit: int, view: Callable, key: Any) -> dict:
-        """Return {changes, last, more} as one principal sees the feed: view(entry) is an
-        entry's record as it sees it, or None (not its to see). The numbers have gaps, and
-        `last` is the newest change it sees: its cursor never moves for a change it may not
-        see, nor tells how many there were. 410 for a cursor below the journal's floor or
-        beyond the newest change it sees. `key` (its reach) keeps how far it looked, so a
-        feed that sees little pays for the changes since it last asked, not all of them."""
-        floor, entries, seqs, n, newest = self._newest_seen(view, key)
+    def read_seen(self, since: int, limit: int, folders: tuple, record: Callable) -> dict:
+        """Return {changes, last, more} as one who sees the notes under `folders` sees the
+        feed: record(entry, inside, was) is an entry's record to it (inside: the entry's
+        path is under them; was: a move's origin is). The numbers have gaps, and `last` is
+        the newest change it sees: its cursor never moves for a change it may not see, nor
+        tells how many there were. 410 for a cursor below the journal's floor or beyond
+        the newest change it sees. What each set of folders saw is kept, so a feed that
+        sees little pays for the changes since it last asked, not all of them."""
+        floor, entries, seqs, n, newest = self._newest_seen(folders)
         seen_last = max(floor, newest if newest is not None else floor)
         if since < floor or since > seen_last:
             raise gone(
@@ -505,22 +513,25 @@ class ChangeJournal:
             )
         out, more = [], False
         if newest is not None and since < newest:
+            below, exact = tuple(f + "/" for f in folders), frozenset(folders)
             for j in range(bisect.bisect_right(seqs, since, 0, n), n):
-                if seqs[j] > newest:
+                e = entries[j]
+                if e[0] > newest:
                     break
-                rec = view(entries[j])
-                if rec is None:
+                inside = e[2].startswith(below) or e[2] in exact
+                was = e[1] == "moved" and (e[3].startswith(below) or e[3] in exact)
+                if not inside and not was:
                     continue
                 if len(out) == limit:
                     more = True
                     break
-                out.append(rec)
+                out.append(record(e, inside, was))
         return {"changes": out, "last": out[-1]["seq"] if out else since, "more": more}
 
-    def seen_latest(self, view: Callable, key: Any) -> int:
-        """Return the newest change a principal sees, or the floor (read_seen's view and
-        key): where it follows from."""
-        floor, _, _, _, newest = self._newest_seen(view, key)
+    def seen_latest(self, folders: tuple) -> int:
+        """Return the newest change under `folders`, or the floor: where one who sees
+        them follows from."""
+        floor, _, _, _, newest = self._newest_seen(folders)
         return max(floor, newest if newest is not None else floor)
 
     def creation(self, path: str) -> tuple | None:
