@@ -31,6 +31,8 @@ data flows, each with the first line of its docstring:
   search/persistence.py   The index on disk: segment files, the manifest, crash safety.
   search/helper.py        The index's helper process: its entry point, its protocol, starting and
                           stopping it.
+  search/masks.py         Reach masks: which notes of each index segment a reach holds, their counts
+                          and lengths.
   search/index.py         SearchIndex: building, updating and querying the inverted index.
   search/vectors.py       Search by meaning: notes cut into chunks, the vectors of the chunks, the
                           semantic pass.
@@ -186,6 +188,7 @@ import time
 import unicodedata
 import urllib.parse
 import uuid
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Container, Iterable, Mapping, Sequence, Sized
@@ -4874,6 +4877,12 @@ class NoteStore(FileTree):
         # sets it to the request's grant's name; None: the owner, the server itself
         self.actor: Callable[[], str | None] = lambda: None
         self.person: Callable[[], dict | None] = lambda: None  # {id, name}: a person's change
+        # guard(path): a context around one change of path, entered under the note's lock
+        # before anything changes: it raises when the request under way may no longer
+        # change path (its key revoked, its person's share removed since its key was
+        # checked), and a revocation waits for the changes inside it (the Service sets it:
+        # Service.writing; nothing by default)
+        self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -5362,6 +5371,7 @@ class NoteStore(FileTree):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
             was = _moved_from(path, new)
             with (
+                self.guard(new),  # (and the path it leaves, in _changing)
                 self._changing(path, data, "moved", new=was),
                 self._new_parents(dst),
                 disk_writes(),
@@ -5437,26 +5447,27 @@ class NoteStore(FileTree):
         HistoryStore.keep) when the change replaces the note's file by a rename: then it
         gives what atomic_write must run before that rename. `new`: the content written
         (the version's summary counts the lines it changed), or a summary in words."""
-        journal, history = self.journal, self.history
-        if journal is not None:
-            journal.reserve()
-        try:
-            keep = history is not None and old is not None
-            vid = history.keep(path, old, reason, inode) if keep else None
-        except BaseException:
+        with self.guard(path):
+            journal, history = self.journal, self.history
             if journal is not None:
-                journal.release()
-            raise
-        try:
-            yield (lambda: history.durable(path)) if vid and inode else None
-        except BaseException:
+                journal.reserve()
+            try:
+                keep = history is not None and old is not None
+                vid = history.keep(path, old, reason, inode) if keep else None
+            except BaseException:
+                if journal is not None:
+                    journal.release()
+                raise
+            try:
+                yield (lambda: history.durable(path)) if vid and inode else None
+            except BaseException:
+                if vid:
+                    history.discard(path, vid)
+                if journal is not None:
+                    journal.release()
+                raise
             if vid:
-                history.discard(path, vid)
-            if journal is not None:
-                journal.release()
-            raise
-        if vid:
-            history.settle(path, vid, self._version_meta(old, new))
+                history.settle(path, vid, self._version_meta(old, new))
 
     def _version_meta(self, old: bytes | None, new: bytes | str | None) -> dict:
         """Return {savedBy, summary} of the change a version is kept for."""
@@ -5723,6 +5734,7 @@ class AttachmentStore(FileTree):
         self.trash = trash
         self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
+        self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()  # NoteStore's
 
     def make_root(self) -> None:
         """Create the attachments folder when it is missing: private (0700, as the notes
@@ -5862,7 +5874,7 @@ class AttachmentStore(FileTree):
                 if unique:
                     path, target = self._free(path, target)
                 exists = self.check(path, if_match, if_none_match)
-                with self._new_parents(target, path):
+                with self.guard(path), self._new_parents(target, path):
                     os.chmod(tmp, 0o666 & ~UMASK)
                     self._rename(tmp, target)
                 fsync_dir(target.parent)
@@ -5915,7 +5927,7 @@ class AttachmentStore(FileTree):
             dst = self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"an attachment already exists at {new}")
-            with self._new_parents(dst, new), disk_writes():
+            with self.guard(path), self.guard(new), self._new_parents(dst, new), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
@@ -5927,7 +5939,7 @@ class AttachmentStore(FileTree):
         with self._lock:
             src = self.file_of(path)
             check_etag(if_match, self.get(path)["etag"], "attachment")
-            trashed = move_to_trash(src, self.trash, path)
+            trashed = move_to_trash(src, self.trash, path, self.guard(path))
             self._prune(src.parent)
         return {"path": path, "deleted": True, **trashed}
 
@@ -5954,7 +5966,7 @@ class AttachmentStore(FileTree):
             dst = self.file_of(path)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"an attachment already exists at {path}")
-            with self._new_parents(dst, path), disk_writes():
+            with self.guard(path), self._new_parents(dst, path), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             return self.record(path, os.stat(dst))
@@ -7788,6 +7800,14 @@ class MemorySegment:
         docs, needle = self.docs, "".join(chars)
         return [d for d in cands if needle in docs[d][4 + f]]
 
+    def ids_under(self, prefix: str) -> list:
+        """Return the ids of the notes (deleted ones too) whose paths start with prefix."""
+        return [d for d, doc in enumerate(self.docs) if doc.path.startswith(prefix)]
+
+    def field_lengths(self, f: int) -> list:
+        """Return every note's length in a field (tokens), by id."""
+        return [len(doc[4 + f]) for doc in self.docs]
+
     def in_folder(self, cands: set, prefix: str) -> set:
         docs = self.docs
         return {d for d in cands if docs[d].path.startswith(prefix)}
@@ -8221,6 +8241,15 @@ class DiskSegment:
         """Per field: (start offsets, end offsets) of the notes' term strings, by note id."""
         off = self._tok_off
         return (off[0:-1:2], off[1::2]), (off[1::2], off[2::2])
+
+    def ids_under(self, prefix: str) -> memoryview:
+        """Return the ids of the notes (deleted ones too) whose paths start with prefix."""
+        target = prefix.encode()
+        return self._by_path[self._path_pos(target) : self._path_pos(target + b"\xff")]
+
+    def field_lengths(self, f: int) -> memoryview:
+        """Return every note's length in a field (tokens), by id."""
+        return self._dl[f::2]
 
     def in_folder(self, cands: set, prefix: str) -> set:
         target = prefix.encode()
@@ -9248,6 +9277,144 @@ class EarlyHelper:
         return helper
 
 
+# == src/notesvc/search/masks.py ==============================================
+# Reach masks: which notes of each index segment a reach holds, their counts and lengths.
+
+MAX_REACHES = 64  # reaches whose masks are kept (a person's grants share one)
+MAX_MASK_BYTES = 8 << 20  # and about this many bytes of masks and frequencies in all
+MAX_FREQUENCIES = 4096  # document frequencies kept per segment mask
+FREQUENCY_BYTES = 160  # what one kept frequency costs (its dict slot, key tuple and ints)
+
+
+class SegmentMask:
+    """One reach's view of one segment: a byte per note (1: live and reached), how many
+    notes that is, their summed field lengths, and the document frequencies asked lately."""
+
+    __slots__ = ("dfs", "lens", "live", "mask", "n_at", "zeroed")
+
+    def __init__(self, seg, prefixes: tuple):
+        self.mask = bytearray(seg.n)
+        for prefix in prefixes:
+            deque(map(self.mask.__setitem__, seg.ids_under(prefix), itertools.repeat(1)), 0)
+        self.n_at = seg.n
+        self.zeroed: set = set()
+        self.live = self.mask.count(1)
+        self.lens = [sum(itertools.compress(seg.field_lengths(f), self.mask)) for f in (0, 1)]
+        self.dfs: dict = {}
+        self.refresh(seg, prefixes)
+
+    def refresh(self, seg, prefixes: tuple) -> None:
+        """Fold in the notes a memory segment took since, and the deletions of any segment."""
+        mask = self.mask
+        if seg.n > self.n_at:
+            for d in range(self.n_at, seg.n):
+                held = seg.path(d).startswith(prefixes)
+                mask.append(held)
+                if held:
+                    self.live += 1
+                    self.lens[0] += seg.dl(d, 0)
+                    self.lens[1] += seg.dl(d, 1)
+            self.n_at = seg.n
+            self.dfs.clear()
+        if len(seg.deleted) != len(self.zeroed):
+            for d in seg.deleted.difference(self.zeroed):
+                if d < len(mask) and mask[d]:
+                    mask[d] = 0
+                    self.live -= 1
+                    self.lens[0] -= seg.dl(d, 0)
+                    self.lens[1] -= seg.dl(d, 1)
+            self.zeroed = set(seg.deleted)
+            self.dfs.clear()
+
+    def df(self, seg, key, f: int) -> int:
+        """Return how many reached live notes of the segment hold a term in a field."""
+        found = self.dfs.get((key, f))
+        if found is None:
+            p = seg.postings(key, f)
+            found = bytes(map(self.mask.__getitem__, p[0])).count(1) if p else 0
+            if len(self.dfs) >= MAX_FREQUENCIES:
+                self.dfs.clear()
+            self.dfs[(key, f)] = found
+        return found
+
+    def positions(self, ids) -> list:
+        """Return the positions in a posting list of the ids this mask holds."""
+        return list(itertools.compress(range(len(ids)), map(self.mask.__getitem__, ids)))
+
+
+class ReachMasks:
+    """The masks of one reach over a list of segments (as SearchIndex.search holds them)."""
+
+    __slots__ = ("masks", "segs")
+
+    def __init__(self, segs: list, masks: list):
+        self.segs, self.masks = segs, masks
+
+    def count(self) -> int:
+        return sum(m.live for m in self.masks)
+
+    def averages(self) -> tuple:
+        """Return the reached notes' average (body, title) lengths (1.0 with none)."""
+        n = self.count()
+        if not n:
+            return 1.0, 1.0
+        return tuple(max(sum(m.lens[f] for m in self.masks) / n, 1.0) for f in (0, 1))
+
+    def df(self, si: int, key, f: int) -> int:
+        return self.masks[si].df(self.segs[si], key, f) if key is not None else 0
+
+
+class MaskCache:
+    """The masks of the reaches searched lately, least recently used dropped first (at most
+    MAX_REACHES reaches and MAX_MASK_BYTES). Callers hold the index's lock."""
+
+    LIMITS = (MAX_REACHES, MAX_MASK_BYTES)
+
+    def __init__(self):
+        # prefixes -> {segment: its mask}, weakly: a segment merged away goes with its masks
+        self._reaches: collections.OrderedDict = collections.OrderedDict()
+        self._asked = 0  # searches since the sizes were last added up
+
+    def of(self, segs: list, prefixes: tuple) -> ReachMasks:
+        """Return a reach's masks over `segs` (made or brought up to date)."""
+        kept = self._reaches.pop(prefixes, None)
+        if kept is None:
+            kept = weakref.WeakKeyDictionary()
+        self._reaches[prefixes] = kept
+        masks, made = [], False
+        for seg in segs:
+            mask = kept.get(seg)
+            if mask is None:
+                mask = kept[seg] = SegmentMask(seg, prefixes)
+                made = True
+            else:
+                mask.refresh(seg, prefixes)
+            masks.append(mask)
+        self._asked += 1
+        if made or self._asked >= 32:  # (the frequencies grow a little a search)
+            self._asked = 0
+            self._trim()
+        return ReachMasks(segs, masks)
+
+    def reaches(self) -> list:
+        """Return the reaches whose masks are kept, least recently used first."""
+        return list(self._reaches)
+
+    def _trim(self) -> None:
+        most, most_bytes = self.LIMITS
+
+        def cost(kept) -> int:
+            return sum(len(m.mask) + FREQUENCY_BYTES * len(m.dfs) for m in list(kept.values()))
+
+        size = sum(map(cost, self._reaches.values()))
+        while len(self._reaches) > 1 and (len(self._reaches) > most or size > most_bytes):
+            _, gone = self._reaches.popitem(last=False)
+            size -= cost(gone)
+
+    def clear(self) -> None:
+        self._reaches.clear()
+
+
 # == src/notesvc/search/index.py ==============================================
 # SearchIndex: building, updating and querying the inverted index.
 
@@ -9321,11 +9488,11 @@ def _best(scores: dict, m: int) -> tuple:
 class _Match:
     """One segment's candidates for a query, with approximate scores (stored impacts)."""
 
-    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None):
+    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None, mask=None):
         self.seg, self.comps, self.hi = seg, comps, hi
         self.scores = scores  # {id: approximate score}, or None: the one-word fast path
         self.total = len(scores) if scores is not None else 0
-        self._single: dict = {}
+        self.mask = mask  # the one-word fast path within a reach: its SegmentMask
 
     def top(self, m: int) -> tuple:
         """Return ([(approx, id)] of the m best, in no order, bound on the approx of every
@@ -9335,8 +9502,9 @@ class _Match:
         return self._top_single(m)
 
     def count_single(self) -> None:
-        """Count the notes holding the word (body or title), deleted ones aside."""
-        deleted = self.seg.deleted
+        """Count the notes holding the word (body or title), deleted ones aside (and, within
+        a reach, the ones outside it)."""
+        mask = self.mask
         body = title = None
         for comp in self.comps:
             if comp[3] == 0:
@@ -9345,11 +9513,20 @@ class _Match:
                 title = comp
         self.body, self.title = body, title
         self.title_scores: dict = {}
-        total = len(body[1]) - body[5] if body else 0
+        self.deleted = self.seg.deleted if mask is None else ()  # a mask holds live notes
+        if body is None:
+            self.body_at: Sequence = ()
+        elif mask is None:
+            self.body_at = range(len(body[1]))
+        else:
+            self.body_at = mask.positions(body[1])
+        total = len(self.body_at) - (body[5] if body and mask is None else 0)
+        held = mask.mask if mask is not None else None
+        deleted = self.deleted
         if title:
             w, ids, imps = title[:3]
             for d, imp in zip(ids, imps):
-                if d in deleted:
+                if d in deleted or (held is not None and not held[d]):
                     continue
                 self.title_scores[d] = w * imp
                 if body is None or sorted_position(body[1], d) < 0:
@@ -9361,10 +9538,10 @@ class _Match:
         bound = 0.0
         if self.body:
             w, ids, imps = self.body[:3]
-            deleted = self.seg.deleted
+            deleted = self.deleted
             want = m + len(scores) + len(deleted) + 1
-            idx = range(len(ids))
-            if want < len(ids):
+            idx = self.body_at
+            if want < len(idx):
                 idx = _largest(want, idx, imps.__getitem__)
                 bound = w * imps[idx[-1]]
             taken = set()
@@ -9442,6 +9619,7 @@ class SearchIndex:
         self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
         self._texts = TextCache()  # the texts snippets were cut from lately
+        self._masks = MaskCache()  # which notes of each segment the reaches searched hold
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
         # kept up to date by single adds and removals (folder_counts)
@@ -9918,16 +10096,22 @@ class SearchIndex:
 
     # -- searching -----------------------------------------------------------------------
 
-    def _terms(self, segs: list, n: int, stems: list) -> tuple:
+    def _terms(self, segs: list, n: int, stems: list, masks: ReachMasks | None = None) -> tuple:
         """Return ({stem: [key per segment]}, {stem: (body weight, title weight)},
-        {stem: [live body df, live title df]})."""
+        {stem: [live body df, live title df]}); within a reach (`masks`), its notes' df."""
         per_seg = [seg.keys(stems) for seg in segs]
         keys, weights, dfs = {}, {}, {}
         for j, s in enumerate(stems):
             ks = [found[j] for found in per_seg]
             df = [0, 0]
+            if masks is not None:
+                df = [sum(masks.df(si, k, f) for si, k in enumerate(ks)) for f in (0, 1)]
+                ks = [
+                    k if k is not None and (masks.df(si, k, 0) or masks.df(si, k, 1)) else None
+                    for si, k in enumerate(ks)
+                ]
             for seg, k in zip(segs, ks):
-                if k is not None:
+                if k is not None and masks is None:
                     for f in (0, 1):
                         p = seg.postings(k, f)
                         if p:
@@ -9936,24 +10120,24 @@ class SearchIndex:
             weights[s] = (bm25_weight(n, df[0], "body"), bm25_weight(n, df[1], "title"))
         return keys, weights, dfs
 
-    def _expand(self, segs: list, n: int, prefix: str) -> list:
+    def _expand(self, segs: list, n: int, prefix: str, masks: ReachMasks | None = None) -> list:
         """Return up to MAX_PREFIX_TERMS stems of words starting with prefix, commonest first
-        (of the first 16 * MAX_PREFIX_TERMS such words, in order)."""
+        (of the first 16 * MAX_PREFIX_TERMS such words, in order; within a reach, its)."""
         cap = 16 * MAX_PREFIX_TERMS
         words: dict = {}
         for seg in segs:
             for w, s in seg.prefix_words(prefix, cap):
                 words.setdefault(w, s)
         stems = sorted({words[w] for w in sorted(words)[:cap]})
-        _, _, dfs = self._terms(segs, n, stems)
+        _, _, dfs = self._terms(segs, n, stems, masks)
         alive = [s for s in stems if dfs[s][0] or dfs[s][1]]
         alive.sort(key=lambda s: (-dfs[s][0], s))
         return alive[:MAX_PREFIX_TERMS]
 
-    def _resolve(self, segs: list, n: int, alt: tuple) -> tuple:
+    def _resolve(self, segs: list, n: int, alt: tuple, masks: ReachMasks | None = None) -> tuple:
         kind = alt[0]
         if kind == "prefix":
-            return kind, self._expand(segs, n, alt[1])
+            return kind, self._expand(segs, n, alt[1], masks)
         return kind, [alt[1]] if kind == "word" else list(alt[1])
 
     @staticmethod
@@ -9995,7 +10179,7 @@ class SearchIndex:
             total += (min(sizes) if kind == "phrase" else sum(sizes)) if sizes else 0
         return total
 
-    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi) -> _Match | None:
+    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi, mask) -> _Match | None:
         order = sorted(clauses, key=lambda c: self._estimate(seg, si, c, keys))
         cands = None
         for clause in order:
@@ -10008,7 +10192,10 @@ class SearchIndex:
         for alt in excludes:
             cands -= self._alt_docs(seg, si, alt, keys, cands)
         cands = cands - seg.deleted
-        if folder and cands:  # the folders of a reach (their prefixes): any of them
+        if mask is not None and cands:  # the reach's notes only
+            held = mask.mask
+            cands = {d for d in cands if held[d]}
+        if folder and cands:  # the folders asked for (their prefixes): any of them
             cands = set().union(*(seg.in_folder(cands, prefix) for prefix in folder))
         if not cands:
             return None
@@ -10041,9 +10228,11 @@ class SearchIndex:
         """Return the most a segment's stored impacts can rise with today's averages."""
         return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + SCORE_EPS)
 
-    def _matches(self, segs, n, avg, clauses, excludes, folder) -> list:
+    def _matches(self, segs, n, avg, clauses, excludes, folder, masks=None) -> list:
+        """Return ([_Match] of the segments holding candidates, the query's keys): among the
+        notes of `folder` (prefixes; () every note) and, with `masks`, of a reach."""
         stems = sorted({s for clause in [*clauses, excludes] for _, ss in clause for s in ss})
-        keys, weights, _ = self._terms(segs, n, stems)
+        keys, weights, _ = self._terms(segs, n, stems, masks)
         single = (
             (len(clauses) == 1 and len(clauses[0]) == 1 and clauses[0][0][0] == "word")
             and not excludes
@@ -10052,15 +10241,16 @@ class SearchIndex:
         matches = []
         for si, seg in enumerate(segs):
             hi = self._hi(seg, avg)
+            mask = masks.masks[si] if masks is not None else None
             if single:
                 comps = self._comps(seg, si, clauses[0][0][1], keys, weights)
                 if comps:
-                    mt = _Match(seg, comps, hi)
+                    mt = _Match(seg, comps, hi, mask=mask)
                     mt.count_single()
                     if mt.total:
                         matches.append(mt)
             else:
-                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi)
+                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi, mask)
                 if mt:
                     matches.append(mt)
         return matches, keys
@@ -10124,17 +10314,27 @@ class SearchIndex:
         limit: int = 20,
         offset: int = 0,
         snippets=True,
+        reach: tuple = (),
     ) -> tuple:
         """Return (total, [(path, title, score, snippet)]) best first (snippets "" when
-        not asked for), among the notes of `folder` (a folder, or the folders of a reach:
-        () or "" every note)."""
+        not asked for), among the notes of `folder` (a folder, or several: () or "" every
+        note). `reach`: the folders a principal that sees part of the notes reaches (()
+        everything): only their notes are searched, and they alone give BM25 its statistics
+        (N, df, average lengths), so nothing outside them moves a score or a count."""
+        within = folder_prefixes(reach)
         prefix = folder_prefixes(folder)
+        if within and set(prefix) == set(within):
+            prefix = ()  # the reach itself: its masks filter
         with self._lock:
             segs = self._all()
-            n, avg = self._count(segs), self._averages(segs)
-            clauses = [[self._resolve(segs, n, alt) for alt in c] for c in query.clauses]
-            excludes = [self._resolve(segs, n, alt) for alt in query.excludes]
-            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
+            masks = self._masks.of(segs, within) if within else None
+            if masks is None:
+                n, avg = self._count(segs), self._averages(segs)
+            else:
+                n, avg = masks.count(), masks.averages()
+            clauses = [[self._resolve(segs, n, alt, masks) for alt in c] for c in query.clauses]
+            excludes = [self._resolve(segs, n, alt, masks) for alt in query.excludes]
+            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix, masks)
             total = sum(mt.total for mt in matches)
             ranked = self._rank(matches, offset + limit, avg, self._weight)[offset:]
             if not snippets:
@@ -10772,6 +10972,7 @@ _REC = struct.Struct("<Qf")  # chunk hash, scale; then the int8 vector, then its
 DEAD = 0xFFFFFFFF  # a record no note holds (a tombstone until compaction)
 RESCORE = 400  # chunks the sign-code pass hands to the int8 rescoring
 MAX_SEMANTIC_NOTES = 100  # notes a semantic pass returns at most
+REACH_ROWS = 16  # reaches whose records the semantic pass keeps (a person's search by meaning)
 
 
 class _PathTable:
@@ -10913,6 +11114,10 @@ class VectorStore:
         self.dirty = False  # meta.json is behind
         self.changes = 0  # notes given records or dropped since the store opened
         self.extra: dict = {}  # what the embedder keeps with it (the probe, the floor)
+        self._edits = 0  # any change of which note holds which records, or of a path
+        # the records of the notes under a reach's folders, as the semantic pass scans them:
+        # prefixes -> (the edits it was made at, the records), the few searched lately
+        self._reach_rows: collections.OrderedDict = collections.OrderedDict()
 
     # -- opening -----------------------------------------------------------------------
 
@@ -11035,6 +11240,7 @@ class VectorStore:
     # -- notes and records ------------------------------------------------------------
 
     def _claim(self, path: str, key: Any, recs: Any) -> None:
+        self._edits += 1
         number = self._names.find(path)
         if number is None:
             number = self._names.add(path)
@@ -11088,6 +11294,7 @@ class VectorStore:
             self._names.remove(n)
             self._count_folders(path, -1)
             self._len[n] = 0
+            self._edits += 1
             self.changes += 1
             self.dirty = True
 
@@ -11098,6 +11305,7 @@ class VectorStore:
             if n is None or self._names.find(new) is not None:
                 return False
             self._names.rename(n, new)
+            self._edits += 1
             self._count_folders(old, -1)
             self._count_folders(new, 1)
             self._keys[n] = _NO_KEY if key is None else key
@@ -11333,7 +11541,26 @@ class VectorStore:
 
     # -- the semantic pass ----------------------------------------------------------------
 
-    def _candidates(self, qcode: Any, within: list | None, k: int) -> list:
+    def _rows_under(self, prefixes: tuple) -> Any:
+        """Return the records of the notes under these folder prefixes (a NumPy array of
+        them, or an array): kept for the few reaches searched lately until a note gets other
+        records, is dropped or moves, so a person's search by meaning costs no walk of
+        every path."""
+        kept = self._reach_rows.get(prefixes)
+        if kept is not None and kept[0] == self._edits:
+            self._reach_rows.move_to_end(prefixes)
+            return kept[1]
+        held = [n for n, p in self._names.held() if p.startswith(prefixes)]
+        rows: Any = array.array("I", [r for n in held for r in self._run(n)])
+        if self.np is not None:
+            rows = self.np.asarray(rows, "int64")
+        self._reach_rows[prefixes] = (self._edits, rows)
+        self._reach_rows.move_to_end(prefixes)
+        while len(self._reach_rows) > REACH_ROWS:
+            self._reach_rows.popitem(last=False)
+        return rows
+
+    def _candidates(self, qcode: Any, within: Any, k: int) -> list:
         """Return up to about k records nearest the query's sign code (Hamming)."""
         np = self.np
         if np is not None:
@@ -11393,9 +11620,8 @@ class VectorStore:
             folders = (folder,) if isinstance(folder, str) else tuple(folder)
             prefixes = tuple(f.rstrip("/") + "/" for f in folders if f)
             if prefixes:
-                held = [n for n, p in self._names.held() if p.startswith(prefixes)]
-                within = [r for n in held for r in self._run(n)]
-                if not within:
+                within = self._rows_under(prefixes)
+                if not len(within):
                     return []
             np = self.np
             qcode = float_sign_code(query) if np is None else np.packbits(np.asarray(query) > 0)
@@ -11563,26 +11789,35 @@ def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
 
 
 def find_notes(
-    svc: Service, query: Query, folder: str | tuple, limit: int, offset: int, mode: str = ""
+    svc: Service,
+    query: Query,
+    folder: str | tuple,
+    limit: int,
+    offset: int,
+    mode: str = "",
+    reach: tuple = (),
 ) -> dict:
     """Search as `mode` asks (hybrid by default when embeddings are on), among the notes of
-    `folder` (a folder, or the folders of a reach: "" or () every note): {total, results:
-    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
-    does: it answers in keyword mode with fallback true."""
+    `folder` (a folder, or several: "" or () every note) within `reach` (the folders of a
+    principal that sees part of the notes, () everything: they alone give the words' scores
+    their statistics, SearchIndex.search): {total, results: [(path, title, score, snippet)],
+    mode, fallback}. Never fails because the endpoint does: it answers in keyword mode with
+    fallback true."""
     embedder = svc.embedder
+    folder = folder or reach  # never wider than the reach
     if mode and mode not in MODES:
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
     if mode != "keyword" and embedder is not None and not _lexical_only(query):
         vector = embedder.query_vector(_embedding_text(query))
         if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
-    total, hits = svc.index.search(query, folder, limit, offset)
+            return _by_meaning(svc, query, folder, (limit, offset), mode, vector, reach)
+    total, hits = svc.index.search(query, folder, limit, offset, reach=reach)
     return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
 
 
 def _by_meaning(
-    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector
+    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector, reach: tuple
 ) -> dict:
     near = svc.embedder.nearest(vector, folder)
     if query.excludes:
@@ -11592,7 +11827,9 @@ def _by_meaning(
     if mode == "semantic":
         ranked = [(p, round(s, 4)) for p, s, _ in near]
     else:
-        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
+        _, hits = svc.index.search(
+            query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False, reach=reach
+        )
         words = [p for p, *_ in hits]
         ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
     limit, offset = page
@@ -12080,9 +12317,19 @@ class Reach:
         held = [scope for folder, scope in self.folders if inside(where, folder)]
         return max(held, key=SCOPE_RANK.__getitem__) if held else None
 
+    @functools.cached_property
+    def _lookup(self) -> tuple:
+        """(the prefixes of the reached folders and their attachments twins, those folders)"""
+        folders = (*self.tops, *map(attachments_twin, self.tops))
+        return tuple(f + "/" for f in folders), frozenset(folders)
+
     def sees(self, path: str) -> bool:
-        """Return whether a note, attachment or folder path lies inside a reached folder."""
-        return self.everything or self.scope_at(path) is not None
+        """Return whether a note, attachment or folder path lies inside a reached folder
+        (what scope_at() holds somewhere; asked for every entry a listing or a feed filters)."""
+        if self.everything:
+            return True
+        prefixes, folders = self._lookup
+        return path.startswith(prefixes) or path in folders
 
     def way_down(self, folder: str) -> tuple:
         """Return the reached folders beneath `folder` (an ancestor of them, not reached
@@ -12356,16 +12603,13 @@ def visible_folders(
     raise not_found(f"no folder at {folder}")
 
 
-def visible_folder(
-    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
-) -> str:
-    """Return the one folder a principal's listing of `raw` shows: raw itself inside its
-    reach, the one reached folder beneath an ancestor of it (404 otherwise; a principal that
-    reaches several folders beneath raw is asked visible_folders instead)."""
-    folder, shown = visible_folders(svc, raw, principal, top)
-    if len(shown) != 1:
-        return folder  # several: the caller filters by the principal's reach
-    return shown[0]
+def searched_folders(svc: Service, raw: Any, principal: Principal | None = None) -> tuple:
+    """Return the folders a search of folder `raw` (None or "": the top) looks in, for the
+    request's principal: () every note (the owner at the top), else the folder itself inside
+    its reach or the reached folders beneath it; 404 for any other folder. Pass the
+    principal's `folders` beside it as the search's reach (SearchIndex.search)."""
+    _, shown = visible_folders(svc, raw or NOTES, principal)
+    return () if shown == (NOTES,) else shown
 
 
 def writable_folder(svc: Service, raw: Any, principal: Principal | None = None) -> str:
@@ -12645,14 +12889,16 @@ class GrantStore:
         self.state, self.clock = state, clock
         self.idle = idle_days * 86400  # a paired device's key ends this long after its last use
         self._lock = threading.Lock()
-        self._cache: tuple = (
-            None,
-            {},
-        )  # (state it was built from, hash -> (kind, principal, expires, idle since))
+        # (state it was built from, hash -> (kind, principal, expires, idle since),
+        # grant id -> (principal, expires, idle since))
+        self._cache: tuple = (None, {}, {})
         self._used: dict = {}  # grant id -> when it was last used, not yet written
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
         self.metadata: dict = {}  # client_id URL -> (fetched at, document)
+        # (ids) -> None, run once a revocation's state change is written: the Service waits
+        # there for the writes the grants had begun (Service.drain)
+        self.on_ended: list = []
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
@@ -12664,21 +12910,52 @@ class GrantStore:
     # -- authenticating -------------------------------------------------------------
 
     def _index(self) -> dict:
+        return self._indexes()[0]
+
+    def _indexes(self) -> tuple:
+        """Return (by secret hash, by grant id) of the grants in the state now."""
         data = self.state.read()
-        built_from, index = self._cache
+        built_from, index, by_id = self._cache
         if built_from is data:
-            return index
-        index = {}
+            return index, by_id
+        index, by_id = {}, {}
         for g in data.get("grants", []):
             p = principal_of(data, g)
             expires = epoch_of(g.get("expiresAt"))
+            by_id[g["id"]] = (p, expires, self._idle_since(g))
             if g.get("keyHash"):
                 index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
                 until = min(expires, epoch_of(g.get("accessExpiresAt")))
                 index[g["accessHash"]] = ("access", p, until, None)
-        self._cache = (data, index)
-        return index
+        self._cache = (data, index, by_id)
+        return index, by_id
+
+    def current(self, grant_id: str) -> Principal | None:
+        """Return who a grant acts as in the state now (its reach as it is now), None when
+        it is gone: revoked, expired, or its person removed."""
+        found = self._indexes()[1].get(grant_id)
+        if found is None:
+            return None
+        principal, expires, since = found
+        if since is not None:  # a paired device: its last use, as expires() counts it
+            expires = max(since, self._used.get(grant_id, 0.0)) + self.idle
+        return principal if expires > self.clock() else None
+
+    def still_writes(self, principal: Principal, path: str) -> None:
+        """Raise unless a request's principal may still write at `path` now: its grant may
+        have ended (401), or a person's reach shrunk (404; 403 where they may only read)
+        on another thread since its key was checked."""
+        if not principal.grant_id:
+            return  # the owner's own key (or no request): nothing to end
+        now = self.current(principal.grant_id)
+        if now is None:
+            raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+        if not now.person or now.may_write(path):
+            return  # (a folder grant's reach is its folder: it never changes)
+        if now.sees(path):
+            raise ApiError(403, "FORBIDDEN", f"this needs the write scope at {path}")
+        raise not_found(f"nothing at {path[:MAX_PATH_CHARS]} in this key's reach")
 
     def _idle_since(self, g: dict) -> float | None:
         """Return when a paired device without an expiry of its own was last used, as
@@ -12971,7 +13248,10 @@ class GrantStore:
             hook(data, gone)
 
     def ended(self, gone: list) -> None:
-        """Forget what lives in memory for grants just ended (after their state change)."""
+        """Forget what lives in memory for grants just ended (after their state change),
+        once the writes they had begun are done (nothing is written after this returns)."""
+        for hook in self.on_ended:
+            hook(gone)
         with self._lock:  # codes they approved are redeemed for nothing
             for h in [h for h, c in self.codes.items() if c.get("createdBy") in gone]:
                 del self.codes[h]
@@ -12998,15 +13278,6 @@ class GrantStore:
         data = self.state.read()
         g = next((g for g in data.get("grants", []) if g["id"] == grant_id), None)
         return principal_of(data, g) if g else Principal("key", "read", reach=Reach())
-
-    def current(self, principal: Principal) -> Principal | None:
-        """Return who a principal acts as now, from the state as it is (its reach follows
-        shares made or ended since); None when its grant was revoked or expired."""
-        if not principal.grant_id:
-            return principal
-        data, now = self.state.read(), self.clock()
-        g = next((g for g in data.get("grants", []) if g["id"] == principal.grant_id), None)
-        return principal_of(data, g) if g is not None and self.expires(g) > now else None
 
     def person_sees(self, person_id: str, path: str) -> bool:
         """Return whether a person reaches a path (their home, a folder shared with them)."""
@@ -13384,8 +13655,9 @@ class GrantStore:
             if epoch_of(s["expiresAt"]) > now
             and (
                 (principal.allows("admin") and self._owns_share(principal, s, data))
-                or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
+                or s.get("grantId") == principal.grant_id
             )
+            and principal.sees(s["path"])  # (the owner's: everything)
         ]
 
     @staticmethod
@@ -13432,6 +13704,25 @@ class GrantStore:
                 return None
         return None
 
+    @staticmethod
+    def drop_unreached_shares(data: dict) -> None:
+        """Inside a state change: end the share links a person's grant made for a note the
+        person no longer reads (the folder's share removed, the note moved out of their
+        reach): a link dies when its maker loses the note."""
+        shares = data.get("shares", [])
+        if not shares or not any(g.get("person") for g in data.get("grants", [])):
+            return
+        grants = {g["id"]: g for g in data.get("grants", [])}
+        kept = []
+        for s in shares:
+            maker = grants.get(s.get("grantId"))
+            if maker and maker.get("person") and not reach_of(data, maker).sees(s["path"]):
+                log.info("share link %s ended: its maker no longer reads its note", s["id"])
+                continue
+            kept.append(s)
+        if len(kept) < len(shares):
+            data["shares"] = kept
+
     def on_note_event(self, event: str, path: str, detail: Any) -> None:
         """Keep share links on their note: a move takes them along, a delete ends them."""
         if event not in ("moved", "deleted") or self.state.readonly:
@@ -13447,6 +13738,7 @@ class GrantStore:
                 for s in shares:
                     if s["path"] == path:
                         s["path"] = detail[0]
+                self.drop_unreached_shares(data)  # (moved out of its maker's reach)
 
         self.state.update(change)
 
@@ -13497,6 +13789,9 @@ class PeopleStore:
         # () -> None, after a change of who reaches what (a share, a removal, a move): the
         # change feeds waiting for someone look at their reach again
         self.after_change: list = []
+        # drain(people=...): wait for the writes people had begun (the Service's), after a
+        # share that narrowed them is written
+        self.drain: Callable = lambda grants=(), people=(): None
 
     # -- reading ------------------------------------------------------------------------
 
@@ -13717,8 +14012,11 @@ class PeopleStore:
                 members[folder] = kept
             else:
                 members.pop(folder, None)
+            self.grants.drop_unreached_shares(d)  # a member's links to what they lost die
 
+        before = {m["person"] for m in data.get("members", {}).get(folder, [])}
         self.state.update(change)
+        self.drain(people=before)  # their writes begun before: done before we answer
         self._changed()
         log.info("folder %s shared with %d people", folder, len(wanted))
         return [self._member_row(m, self.state.read()) for m in wanted]
@@ -13734,8 +14032,56 @@ class PeopleStore:
                     out.append({"path": folder, "scope": m["scope"], "sharedBy": by})
         return out
 
+    def check_folder_change(self, principal: Principal, src: str, dst: str | None) -> None:
+        """Refuse a move of the folder `src` to `dst` (None: its deletion) that would tear a
+        household apart. A person (403) never moves or deletes a folder their reach starts
+        at (their home, a folder shared with them) nor one holding anyone's home, and moves
+        a folder that is shared (or holds one that is) only within their own home, where
+        they may share. Nobody (409) moves a home or a shared folder out of notes/, or a
+        home into another home (or around one). Homes and members then follow the move
+        (folder_moved)."""
+        data = self.state.read()
+        homes = [p["home"] for p in self.people(data)]
+        notes = src.startswith(NOTES + "/")
+        holds_home = [h for h in homes if inside(h, src)] if notes else []
+        holds_share = [f for f in data.get("members", {}) if inside(f, src)] if notes else []
+        if principal.person:
+            where = principal.reach.folder_of(src)
+            if any(where == folder for folder, _ in principal.reach.folders):
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    f"{src} is where this key's reach starts (a home, or a folder shared "
+                    "with it): move or delete what is in it, not the folder itself",
+                )
+            if holds_home:
+                raise ApiError(
+                    403, "FORBIDDEN", f"{src} holds a person's home: only the owner moves it"
+                )
+            me = self.get(principal.person, data)
+            mine = me is not None and inside(src, me["home"])
+            if holds_share and dst is not None and not (mine and inside(dst, me["home"])):
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    f"{src} is shared (or holds a shared folder): it moves within its "
+                    "sharer's home only; unshare it first, or ask the owner",
+                )
+        if dst is None or not (holds_home or holds_share):
+            return
+        if not dst.startswith(NOTES + "/"):
+            raise ApiError(409, "CONFLICT", "a home or a shared folder stays under notes/")
+        for home in holds_home:
+            there = dst + home[len(src) :]
+            if any(o not in holds_home and (inside(there, o) or inside(o, there)) for o in homes):
+                raise ApiError(
+                    409, "CONFLICT", f"{home} would lie in another person's home, or hold one"
+                )
+
     def folder_moved(self, old: str, new: str) -> None:
-        """Keep homes and members on a folder that moved (old -> new, under notes/)."""
+        """Keep homes and members on a folder that moves (old -> new, under notes/), and the
+        share links of the notes in it: called before its notes move, so a person's home
+        and their links never part (called back, new -> old, when the move fails)."""
 
         def moved(path: str) -> str:
             return new + path[len(old) :] if inside(path, old) else path
@@ -13750,6 +14096,8 @@ class PeopleStore:
             for p in d.get("people", []):
                 p["home"] = moved(p["home"])
             d["members"] = {moved(f): m for f, m in d.get("members", {}).items()}
+            for share in d.get("shares", []):  # (ahead of its note: it stays its maker's)
+                share["path"] = moved(share["path"])
 
         self.state.update(change)
         self._changed()
@@ -13941,6 +14289,14 @@ class Service:
         # who sees what changed: the waiting change feeds look at their principal again
         self.grants.after_revoke.append(self.journal.nudge)
         self.people.after_change.append(self.journal.nudge)
+        # A key revoked (or a share removed) mid-request writes nothing once that answered:
+        # each change is entered through writing(), and revocations drain() what it let in.
+        self._gate = threading.Condition()
+        self._writing: dict = {}  # grant id -> [changes under way, its person]
+        for store in (self.notes, self.attachments, self.note_files):
+            store.guard = self.writing
+        self.grants.on_ended.append(lambda gone: self.drain(grants=gone))
+        self.people.drain = self.drain
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
@@ -13973,6 +14329,44 @@ class Service:
         for the owner."""
         person = self.people.get(request_principal().person)
         return {"id": person["id"], "name": person["name"]} if person else None
+
+    @contextlib.contextmanager
+    def writing(self, path: str):
+        """Around one change of `path` by the current request (the stores enter it under
+        the path's lock, before they change anything): its key may still write there
+        (GrantStore.still_writes: 401 revoked, 404/403 a person's share gone), and a
+        revocation or a share's removal that ends that waits (drain) until the change is
+        done. So once `DELETE /people/:id` or a members PUT answers, nothing more is
+        written with what it took away, on any thread."""
+        principal = request_principal()
+        grant_id = principal.grant_id
+        if not grant_id:  # the owner's own key (or no request): nothing to end
+            yield
+            return
+        with self._gate:
+            self.grants.still_writes(principal, path)
+            entry = self._writing.setdefault(grant_id, [0, principal.person])
+            entry[0] += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                entry[0] -= 1
+                if not entry[0]:
+                    self._writing.pop(grant_id, None)
+                    self._gate.notify_all()
+
+    def drain(self, grants: Any = (), people: Any = (), timeout: float = 30.0) -> None:
+        """Wait until the changes under way by these grants, or by any grant of these
+        people, are done (called after the state change that ended or narrowed them)."""
+        grants, people = set(grants), set(people) - {""}
+
+        def busy() -> bool:
+            return any(g in grants or e[1] in people for g, e in self._writing.items())
+
+        with self._gate:
+            if not self._gate.wait_for(lambda: not busy(), timeout):
+                log.warning("writes begun before a revocation were still under way")
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
@@ -14615,7 +15009,7 @@ def _hits_in_folder(svc: Service, question: str, folder: str | tuple, limit: int
             break
         text = f"{text} OR {word}" if text else word
     try:
-        _, ranked = svc.index.search(Query(text), folder, limit)
+        _, ranked = svc.index.search(Query(text), folder, limit, reach=folder)
     except ApiError:  # no searchable word in the question
         return []
     hits = []
@@ -15125,6 +15519,11 @@ def ask_agent(
         paths = [p for p in dict.fromkeys(answer[2]) if p in titles or svc.notes.exists(p)]
     else:
         paths = list(titles)
+    if folder:  # a reach: whatever a provider names, no note outside it is a source
+        within = tuple(
+            f.rstrip("/") + "/" for f in ((folder,) if isinstance(folder, str) else folder)
+        )
+        paths = [p for p in paths if isinstance(p, str) and p.startswith(within)]
     sources = [{"path": p, "title": titles.get(p) or svc.index.title_of(p) or p} for p in paths]
     return {"reply": reply, "provider": provider.name, "model": model, "sources": sources}
 
@@ -16250,7 +16649,7 @@ def chat_principal(svc: Service, channel: dict, sender: str) -> tuple:
     if not linked or maker is None:
         return False, None
     found = svc.grants.principal_by_id(maker)
-    who = svc.grants.current(found) if found is not None else None
+    who = found if found is None or not found.grant_id else svc.grants.current(found.grant_id)
     if who is None or not (who.whole or who.reach.folders):
         return True, None
     return True, who
@@ -17858,14 +18257,21 @@ def update_links(svc: Service, old: str, new: str, linking: set) -> list:
     return changed
 
 
+def relinkable(principal: Principal) -> Callable:
+    """Return test(path): whether a move by `principal` may rewrite the links of the note
+    at path (the notes it may write; the owner's: every one)."""
+    return (lambda _path: True) if principal.whole else principal.may_write
+
+
 def move_and_relink(
     svc: Service, path: str, new: str, if_match: str | None = None, relink: bool = False
 ) -> dict:
     """Move a note (If-Match honoured; never overwrites) and, with `relink`, point the links
     to it at its new path; return its record there with `from` (and `linksUpdated`).
-    A folder grant's move rewrites links inside its folder only."""
-    sees = request_principal().sees
-    linking = set(filter(sees, link_graph(svc).get(path, ()))) if relink else set()
+    Only notes the mover may write are rewritten: a folder grant's, inside its folder; a
+    person's, in their reach and never in a folder shared with them for reading."""
+    writes = relinkable(request_principal())
+    linking = set(filter(writes, link_graph(svc).get(path, ()))) if relink else set()
     rec = svc.notes.move(path, new, if_match)
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking - {path})
@@ -18096,8 +18502,8 @@ def tool_search_notes(
     svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
 ) -> dict:
     parsed = Query(query)
-    folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
-    found = find_notes(svc, parsed, "" if folder == NOTES else folder, limit, 0, mode)
+    within = searched_folders(svc, folder)  # a person's or a folder grant's reach by default
+    found = find_notes(svc, parsed, within, limit, 0, mode, request_principal().folders)
     results = [
         {"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in found["results"]
     ]
@@ -18273,7 +18679,7 @@ def tool_list_tags(svc: Service) -> dict:
     read_only=False,
 )
 def tool_create_note(svc: Service, path: str, content: str) -> dict:
-    return _summary(svc.notes.create(visible_note(svc.notes, path), content))
+    return _summary(svc.notes.create(visible_note(svc.notes, path, write=True), content))
 
 
 @tool(
@@ -18285,7 +18691,7 @@ def tool_create_note(svc: Service, path: str, content: str) -> dict:
     read_only=False,
 )
 def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
 
     def add(old: str) -> str:
         return old + ("\n" if old and not old.endswith("\n") else "") + text.rstrip("\n") + "\n"
@@ -18309,7 +18715,7 @@ def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
     destructive=True,
 )
 def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
 
     def swap(text: str) -> str:
         count = text.count(old)
@@ -18345,7 +18751,7 @@ def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
     idempotent=True,
 )
 def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
-    return _summary(svc.notes.update(visible_note(svc.notes, path), content, etag))
+    return _summary(svc.notes.update(visible_note(svc.notes, path, write=True), content, etag))
 
 
 @tool(
@@ -18367,7 +18773,8 @@ def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
 def tool_move_note(
     svc: Service, path: str, newPath: str, etag: str, updateLinks: bool = False
 ) -> dict:
-    path, new = visible_note(svc.notes, path), visible_note(svc.notes, newPath)
+    path = visible_note(svc.notes, path, write=True)  # write on both sides (a read share: 403)
+    new = visible_note(svc.notes, newPath, write=True)
     rec = move_and_relink(svc, path, new, etag, updateLinks)
     return {**_summary(rec), **{k: rec[k] for k in ("from", "linksUpdated") if k in rec}}
 
@@ -18384,7 +18791,7 @@ def tool_move_note(
     idempotent=True,
 )
 def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
-    done = svc.notes.delete(visible_note(svc.notes, path), etag)
+    done = svc.notes.delete(visible_note(svc.notes, path, write=True), etag)
     return {"path": done["path"], "deleted": True}
 
 
@@ -18398,7 +18805,7 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
 )
 def tool_search(svc: Service, query: str) -> dict:
     folders = request_principal().folders  # a grant searches its reach
-    hits = find_notes(svc, Query(query), folders, 10, 0)["results"]
+    hits = find_notes(svc, Query(query), folders, 10, 0, reach=folders)["results"]
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 
@@ -20766,15 +21173,37 @@ class _ZipOut(io.RawIOBase):
         return data
 
 
-def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | None = None):
+class ExportCut(Exception):
+    """The key an export streams for was revoked (or its person removed) meanwhile."""
+
+
+def export_zip(
+    root: Path,
+    principal: Principal = OWNER,
+    progress: Callable | None = None,
+    still: Callable | None = None,
+):
     """Yield a zip of what export_files() lists, with each file's modification time and a
-    notesvc-export.json manifest, in chunks (nothing is held whole)."""
+    notesvc-export.json manifest, in chunks (nothing is held whole).
+
+    `still(name)`, asked before each file: whether the principal still sees it (a share
+    removed meanwhile: the file is left out); ExportCut from it (the key revoked) ends the
+    stream where it is, without the zip's directory, so the client holds no zip at all."""
     import zipfile
 
     out = _ZipOut()
+    try:
+        yield from _zip_chunks(zipfile, out, root, principal, progress, still)
+    except ExportCut:
+        return
+
+
+def _zip_chunks(zipfile, out, root, principal, progress, still):
     counts = {"notes": 0, "files": 0, "bytes": 0}
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
         for name, full, st in export_files(root, principal):
+            if still is not None and not still(name):
+                continue
             when = time.localtime(max(st.st_mtime, 315532800.0))[:6]  # zip's dates start 1980
             info = zipfile.ZipInfo(name, date_time=when)
             ext = name.rpartition(".")[2].lower()
@@ -32173,9 +32602,8 @@ def move_attachment(svc: Service, path: str) -> dict:
     body = read_json(svc.config.max_body_bytes)
     new = visible_attachment(svc.attachments, field(body, "path"), write=True)
     relink = field(body, "updateLinks", bool, required=False)
-    linking = (
-        set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
-    )
+    writes = relinkable(request_principal())  # (the notes it may write, as for a note's move)
+    linking = set(filter(writes, attachment_linkers(svc, path))) if relink else set()
     rec = svc.attachments.move(path, new, if_match_header())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
@@ -32367,7 +32795,7 @@ def _still(svc: Service, who: Principal) -> Principal:
     """Return who a waiting feed acts as now (its reach as shared now); 401 once revoked,
     410 once a folder it followed is no longer shared with it (its list lost notes the
     feed cannot name: it lists again)."""
-    now = svc.grants.current(who)
+    now = svc.grants.current(who.grant_id) if who.grant_id else who
     if now is None:
         raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
     if any(not now.sees(folder) for folder, _ in who.reach.folders):
@@ -32418,11 +32846,11 @@ def list_changes(svc: Service) -> dict:
 def search_notes(svc: Service) -> dict:
     started = time.perf_counter()
     query = Query(query_str("q"))
-    _, shown = visible_folders(svc, query_str("folder") or NOTES)  # the reach's by default
-    folder = () if shown == (NOTES,) else shown
+    folder = searched_folders(svc, query_str("folder"))  # the reach's by default
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
-    found = find_notes(svc, query, folder, limit, offset, query_str("mode"))
+    reach = request_principal().folders  # scored within it: nothing else moves a score
+    found = find_notes(svc, query, folder, limit, offset, query_str("mode"), reach)
     results = [
         {"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in found["results"]
     ]
@@ -33075,7 +33503,8 @@ def oauth_consent(svc: Service) -> dict:
 
 
 def approve_oauth(svc: Service) -> dict:
-    """POST /api/v1/oauth/approve (the owner): an authorisation code for the client."""
+    """POST /api/v1/oauth/approve (the owner, or a person: their connector, within their
+    reach): an authorisation code for the client."""
     body = read_json(svc.config.max_body_bytes)
     env = bottle.request.environ
     client_id = field(body, "clientId", max_len=2000)
@@ -33986,7 +34415,15 @@ def get_export(svc: Service):
     resp.set_header("Cache-Control", "no-store")
     what = ", ".join(principal.folders) or "every note"
     log.info("request %s: export of %s", current_request_id(), what)
-    return export_zip(svc.config.root, principal)
+
+    def still(name: str) -> bool:  # a person removed, a share removed, while it streams
+        now = svc.grants.current(principal.grant_id) if principal.grant_id else principal
+        if now is None:
+            log.info("export ended: its key was revoked while it streamed")
+            raise ExportCut
+        return now.sees(name)
+
+    return export_zip(svc.config.root, principal, still=still)
 
 
 def too_large_for_relay(size: int, limit: int) -> ApiError:
@@ -34054,6 +34491,7 @@ DAV_PROPS_BYTES_PER_PATH = 64 * 1024  # ...in how many characters...
 DAV_PROPS_PATHS = 10000  # ...on how many resources...
 DAV_PROPS_BYTES = 8 << 20  # ...and in how many characters in all
 XML_TYPE = "application/xml; charset=utf-8"
+DAV_CHALLENGE = 'Basic realm="notesvc", charset="UTF-8"'  # a 401's WWW-Authenticate
 NOTE_TYPE = "text/markdown; charset=utf-8"
 _DAV_LIVE = (
     "displayname",
@@ -35013,6 +35451,8 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         raise DavError(400, "a folder is deleted whole: Depth: infinity")
     if request_header("If-Match") and not item.is_dir:
         check_etag(if_match_header(), dav_etag(dav, item), "file")
+    if item.is_dir:  # a person's home, a shared folder: not by its members (403)
+        svc.people.check_folder_change(ctx["principal"], item.path, None)
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
     dav.drop_locks(item.path)  # (RFC 4918 9.6.1)
@@ -35086,12 +35526,25 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     target = dav_item(svc, dst)
     if target.exists and overwrite == "F":
         raise DavError(412, f"/dav/{dst} exists and Overwrite is F")
+    folder_move = move and item.is_dir
+    if folder_move:  # a home or a shared folder: who may move it, and where (409/403)
+        svc.people.check_folder_change(principal, item.path, dst)
     dav_can_place(svc, item, dst, depth)  # before anything changes, the target included
+    if target.exists and target.is_dir:
+        svc.people.check_folder_change(principal, target.path, None)
     if not move:
         dav.props_room(item.path)
     if target.exists:
         dav_delete(svc, dav, target)
-    dav_copy(svc, dav, item, dst, move, depth)
+    if folder_move and item.top == NOTES and dst.startswith(NOTES + "/"):
+        svc.people.folder_moved(item.path, dst)  # homes, members and links follow it
+        try:
+            dav_copy(svc, dav, item, dst, move, depth)
+        except BaseException:
+            svc.people.folder_moved(dst, item.path)
+            raise
+    else:
+        dav_copy(svc, dav, item, dst, move, depth)
     if move:
         dav.drop_locks(item.path)  # (RFC 4918 9.9.4)
         dav_keep_folder(item)
@@ -35238,7 +35691,7 @@ def dav_authenticate(svc: Service, env: dict) -> Principal:
             raise DavError(
                 401,
                 "a key is needed: any user name, the key as the password",
-                headers={"WWW-Authenticate": 'Basic realm="notesvc", charset="UTF-8"'},
+                headers={"WWW-Authenticate": DAV_CHALLENGE},
             ) from None
         raise
 
@@ -35279,7 +35732,8 @@ def dav_answer(svc: Service, env: dict, method: str, raw: str):
     if write and not principal.allows("write"):
         raise DavError(403, f"this key is {principal.scope}-only")
     path = dav_checked(raw)
-    if not dav_grant_sees(principal, path, write=write and method != "UNLOCK"):
+    # (UNLOCK changes nothing; COPY reads its source and writes its Destination, checked there)
+    if not dav_grant_sees(principal, path, write=write and method not in ("UNLOCK", "COPY")):
         if write and dav_grant_sees(principal, path):
             raise DavError(403, "this key may not write here")
         raise DavError(404, f"nothing at /dav/{path}")
@@ -35304,6 +35758,8 @@ def dav_holder(principal: Principal) -> str:
 def dav_error(e: ApiError) -> bottle.HTTPResponse:
     condition = getattr(e, "condition", "")
     headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type",)}
+    if e.status_code == 401:  # (also a key revoked while its write was on its way)
+        headers.setdefault("WWW-Authenticate", DAV_CHALLENGE)
     if condition:
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error xmlns:D="DAV:">'
@@ -35361,6 +35817,8 @@ class CalError(DavError):
 def cal_error(e: ApiError) -> bottle.HTTPResponse:
     condition = getattr(e, "condition", "")
     headers = {k: v for k, v in e.headers.items() if k.lower() != "content-type"}
+    if e.status_code == 401:
+        headers.setdefault("WWW-Authenticate", DAV_CHALLENGE)
     if condition:
         tag = condition if ":" in condition else f"D:{condition}"
         inner = getattr(e, "inner", "")
@@ -35601,7 +36059,10 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     me = _prop("DAV:", "href", xesc(cal_href(ctx, "principal", True)))
     home = _prop("DAV:", "href", xesc(cal_href(ctx, "calendars", True)))
     privs = "<D:privilege><D:read/></D:privilege>"
-    if principal.allows("write"):
+    writes = principal.allows("write")
+    if res["kind"] == "list" and res["folder"] and not principal.whole:
+        writes = principal.may_write(f"{res['folder']}/{TASKS_NOTE}")  # (a read share: no)
+    if writes:
         privs += "".join(
             f"<D:privilege><D:{p}/></D:privilege>"
             for p in ("write", "write-content", "bind", "unbind")
@@ -36283,6 +36744,7 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
             f"<D:href>{xesc(href)}</D:href>",
         )
     if task is not None:
+        cal_may_write(principal, task["path"])
 
         def edit(lines: list, at: int) -> None:
             lines[at] = cal_rewrite(svc, {**task, "text": lines[at]}, new)
@@ -36309,6 +36771,7 @@ def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, n
     parent = book.tasks.get(new["parent"] or "")
     folder = res["list"]["folder"]
     if parent and _sees(principal, parent["path"]) and folder in (None, parent["folder"]):
+        cal_may_write(principal, parent["path"])
         m = TASK_LINE_RE.match(parent["text"])
         indent = m.group(1) + " " * len(m.group(2) + m.group(3))
         line = task_line_of(
@@ -36331,11 +36794,17 @@ def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, n
     path = f"{folder or principal.home or INBOX}/{TASKS_NOTE}"
     if not _sees(principal, path):
         raise DavError(404, f"no task list {res['list']['id']}")
-    if not principal.whole and not principal.may_write(path):
-        raise DavError(403, f"this key may only read {path.rsplit('/', 1)[0]}")
+    cal_may_write(principal, path)
     line = task_line_of(new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"])
     book.claim(path, line, new["uid"], res["href"])
     cal_append(svc, path, line)
+
+
+def cal_may_write(principal: Principal, path: str) -> None:
+    """403 (DAV:need-privileges) where a principal may only read: a folder shared with a
+    person for reading."""
+    if not principal.whole and not principal.may_write(path):
+        raise CalError(403, f"this key may only read {path.rsplit('/', 1)[0]}", "D:need-privileges")
 
 
 def cal_append(svc: Service, path: str, line: str) -> None:
@@ -36367,6 +36836,7 @@ def cal_delete(svc: Service, book: TaskBook, res: dict, ctx: dict):
     if task is None:
         raise DavError(404, f"nothing at /dav/{res['path']}")
     _check_if_match(task)
+    cal_may_write(ctx["principal"], task["path"])
 
     def drop(lines: list, at: int) -> None:
         del lines[at]
@@ -36407,7 +36877,10 @@ FEED_USE_SECONDS = 300  # lastUsedAt is written at most this often
 
 def feed_record(feed: dict) -> dict:
     keys = ("id", "name", "folder", "createdAt", "lastUsedAt", "hint")
-    return {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+    rec = {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+    if feed.get("person"):  # whose it is (the owner lists everyone's)
+        rec["person"] = feed["person"]
+    return rec
 
 
 def feed_url(svc: Service, environ: dict, secret: str) -> str:
@@ -36627,6 +37100,8 @@ def _shared_folder(svc: Service, raw: str) -> str:
 
 def get_members(svc: Service, path: str) -> dict:
     folder = _shared_folder(svc, path)
+    if not svc.notes.on_disk(folder).is_dir():  # (moved away, or never made)
+        raise not_found(f"no folder at {folder}")
     return {"path": folder, "members": svc.people.members(folder)}
 
 
@@ -37596,7 +38071,7 @@ ROUTES = (
         "POST",
         "/oauth/approve",
         approve_oauth,
-        summary="The owner approves an OAuth request: the redirect with its code",
+        summary="The owner or a person approves an OAuth request: the redirect with its code",
         body=_obj(
             ["clientId", "redirectUri", "codeChallenge", "scope"],
             clientId={**_STR, "minLength": 1, "maxLength": 2000},

@@ -28,6 +28,7 @@ MODULES = (
     "search.segments",
     "search.persistence",
     "search.helper",
+    "search.masks",
     "search.index",
     "search.vectors",
     "search.hybrid",

@@ -7,6 +7,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -127,9 +128,19 @@ class Reach:
         held = [scope for folder, scope in self.folders if inside(where, folder)]
         return max(held, key=SCOPE_RANK.__getitem__) if held else None
 
+    @functools.cached_property
+    def _lookup(self) -> tuple:
+        """(the prefixes of the reached folders and their attachments twins, those folders)"""
+        folders = (*self.tops, *map(attachments_twin, self.tops))
+        return tuple(f + "/" for f in folders), frozenset(folders)
+
     def sees(self, path: str) -> bool:
-        """Return whether a note, attachment or folder path lies inside a reached folder."""
-        return self.everything or self.scope_at(path) is not None
+        """Return whether a note, attachment or folder path lies inside a reached folder
+        (what scope_at() holds somewhere; asked for every entry a listing or a feed filters)."""
+        if self.everything:
+            return True
+        prefixes, folders = self._lookup
+        return path.startswith(prefixes) or path in folders
 
     def way_down(self, folder: str) -> tuple:
         """Return the reached folders beneath `folder` (an ancestor of them, not reached
@@ -403,16 +414,13 @@ def visible_folders(
     raise not_found(f"no folder at {folder}")
 
 
-def visible_folder(
-    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
-) -> str:
-    """Return the one folder a principal's listing of `raw` shows: raw itself inside its
-    reach, the one reached folder beneath an ancestor of it (404 otherwise; a principal that
-    reaches several folders beneath raw is asked visible_folders instead)."""
-    folder, shown = visible_folders(svc, raw, principal, top)
-    if len(shown) != 1:
-        return folder  # several: the caller filters by the principal's reach
-    return shown[0]
+def searched_folders(svc: Service, raw: Any, principal: Principal | None = None) -> tuple:
+    """Return the folders a search of folder `raw` (None or "": the top) looks in, for the
+    request's principal: () every note (the owner at the top), else the folder itself inside
+    its reach or the reached folders beneath it; 404 for any other folder. Pass the
+    principal's `folders` beside it as the search's reach (SearchIndex.search)."""
+    _, shown = visible_folders(svc, raw or NOTES, principal)
+    return () if shown == (NOTES,) else shown
 
 
 def writable_folder(svc: Service, raw: Any, principal: Principal | None = None) -> str:
@@ -692,14 +700,16 @@ class GrantStore:
         self.state, self.clock = state, clock
         self.idle = idle_days * 86400  # a paired device's key ends this long after its last use
         self._lock = threading.Lock()
-        self._cache: tuple = (
-            None,
-            {},
-        )  # (state it was built from, hash -> (kind, principal, expires, idle since))
+        # (state it was built from, hash -> (kind, principal, expires, idle since),
+        # grant id -> (principal, expires, idle since))
+        self._cache: tuple = (None, {}, {})
         self._used: dict = {}  # grant id -> when it was last used, not yet written
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
         self.metadata: dict = {}  # client_id URL -> (fetched at, document)
+        # (ids) -> None, run once a revocation's state change is written: the Service waits
+        # there for the writes the grants had begun (Service.drain)
+        self.on_ended: list = []
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
@@ -711,21 +721,52 @@ class GrantStore:
     # -- authenticating -------------------------------------------------------------
 
     def _index(self) -> dict:
+        return self._indexes()[0]
+
+    def _indexes(self) -> tuple:
+        """Return (by secret hash, by grant id) of the grants in the state now."""
         data = self.state.read()
-        built_from, index = self._cache
+        built_from, index, by_id = self._cache
         if built_from is data:
-            return index
-        index = {}
+            return index, by_id
+        index, by_id = {}, {}
         for g in data.get("grants", []):
             p = principal_of(data, g)
             expires = epoch_of(g.get("expiresAt"))
+            by_id[g["id"]] = (p, expires, self._idle_since(g))
             if g.get("keyHash"):
                 index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
                 until = min(expires, epoch_of(g.get("accessExpiresAt")))
                 index[g["accessHash"]] = ("access", p, until, None)
-        self._cache = (data, index)
-        return index
+        self._cache = (data, index, by_id)
+        return index, by_id
+
+    def current(self, grant_id: str) -> Principal | None:
+        """Return who a grant acts as in the state now (its reach as it is now), None when
+        it is gone: revoked, expired, or its person removed."""
+        found = self._indexes()[1].get(grant_id)
+        if found is None:
+            return None
+        principal, expires, since = found
+        if since is not None:  # a paired device: its last use, as expires() counts it
+            expires = max(since, self._used.get(grant_id, 0.0)) + self.idle
+        return principal if expires > self.clock() else None
+
+    def still_writes(self, principal: Principal, path: str) -> None:
+        """Raise unless a request's principal may still write at `path` now: its grant may
+        have ended (401), or a person's reach shrunk (404; 403 where they may only read)
+        on another thread since its key was checked."""
+        if not principal.grant_id:
+            return  # the owner's own key (or no request): nothing to end
+        now = self.current(principal.grant_id)
+        if now is None:
+            raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+        if not now.person or now.may_write(path):
+            return  # (a folder grant's reach is its folder: it never changes)
+        if now.sees(path):
+            raise ApiError(403, "FORBIDDEN", f"this needs the write scope at {path}")
+        raise not_found(f"nothing at {path[:MAX_PATH_CHARS]} in this key's reach")
 
     def _idle_since(self, g: dict) -> float | None:
         """Return when a paired device without an expiry of its own was last used, as
@@ -1018,7 +1059,10 @@ class GrantStore:
             hook(data, gone)
 
     def ended(self, gone: list) -> None:
-        """Forget what lives in memory for grants just ended (after their state change)."""
+        """Forget what lives in memory for grants just ended (after their state change),
+        once the writes they had begun are done (nothing is written after this returns)."""
+        for hook in self.on_ended:
+            hook(gone)
         with self._lock:  # codes they approved are redeemed for nothing
             for h in [h for h, c in self.codes.items() if c.get("createdBy") in gone]:
                 del self.codes[h]
@@ -1045,15 +1089,6 @@ class GrantStore:
         data = self.state.read()
         g = next((g for g in data.get("grants", []) if g["id"] == grant_id), None)
         return principal_of(data, g) if g else Principal("key", "read", reach=Reach())
-
-    def current(self, principal: Principal) -> Principal | None:
-        """Return who a principal acts as now, from the state as it is (its reach follows
-        shares made or ended since); None when its grant was revoked or expired."""
-        if not principal.grant_id:
-            return principal
-        data, now = self.state.read(), self.clock()
-        g = next((g for g in data.get("grants", []) if g["id"] == principal.grant_id), None)
-        return principal_of(data, g) if g is not None and self.expires(g) > now else None
 
     def person_sees(self, person_id: str, path: str) -> bool:
         """Return whether a person reaches a path (their home, a folder shared with them)."""
@@ -1431,8 +1466,9 @@ class GrantStore:
             if epoch_of(s["expiresAt"]) > now
             and (
                 (principal.allows("admin") and self._owns_share(principal, s, data))
-                or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
+                or s.get("grantId") == principal.grant_id
             )
+            and principal.sees(s["path"])  # (the owner's: everything)
         ]
 
     @staticmethod
@@ -1479,6 +1515,25 @@ class GrantStore:
                 return None
         return None
 
+    @staticmethod
+    def drop_unreached_shares(data: dict) -> None:
+        """Inside a state change: end the share links a person's grant made for a note the
+        person no longer reads (the folder's share removed, the note moved out of their
+        reach): a link dies when its maker loses the note."""
+        shares = data.get("shares", [])
+        if not shares or not any(g.get("person") for g in data.get("grants", [])):
+            return
+        grants = {g["id"]: g for g in data.get("grants", [])}
+        kept = []
+        for s in shares:
+            maker = grants.get(s.get("grantId"))
+            if maker and maker.get("person") and not reach_of(data, maker).sees(s["path"]):
+                log.info("share link %s ended: its maker no longer reads its note", s["id"])
+                continue
+            kept.append(s)
+        if len(kept) < len(shares):
+            data["shares"] = kept
+
     def on_note_event(self, event: str, path: str, detail: Any) -> None:
         """Keep share links on their note: a move takes them along, a delete ends them."""
         if event not in ("moved", "deleted") or self.state.readonly:
@@ -1494,5 +1549,6 @@ class GrantStore:
                 for s in shares:
                     if s["path"] == path:
                         s["path"] = detail[0]
+                self.drop_unreached_shares(data)  # (moved out of its maker's reach)
 
         self.state.update(change)

@@ -66,6 +66,9 @@ class PeopleStore:
         # () -> None, after a change of who reaches what (a share, a removal, a move): the
         # change feeds waiting for someone look at their reach again
         self.after_change: list = []
+        # drain(people=...): wait for the writes people had begun (the Service's), after a
+        # share that narrowed them is written
+        self.drain: Callable = lambda grants=(), people=(): None
 
     # -- reading ------------------------------------------------------------------------
 
@@ -286,8 +289,11 @@ class PeopleStore:
                 members[folder] = kept
             else:
                 members.pop(folder, None)
+            self.grants.drop_unreached_shares(d)  # a member's links to what they lost die
 
+        before = {m["person"] for m in data.get("members", {}).get(folder, [])}
         self.state.update(change)
+        self.drain(people=before)  # their writes begun before: done before we answer
         self._changed()
         log.info("folder %s shared with %d people", folder, len(wanted))
         return [self._member_row(m, self.state.read()) for m in wanted]
@@ -303,8 +309,56 @@ class PeopleStore:
                     out.append({"path": folder, "scope": m["scope"], "sharedBy": by})
         return out
 
+    def check_folder_change(self, principal: Principal, src: str, dst: str | None) -> None:
+        """Refuse a move of the folder `src` to `dst` (None: its deletion) that would tear a
+        household apart. A person (403) never moves or deletes a folder their reach starts
+        at (their home, a folder shared with them) nor one holding anyone's home, and moves
+        a folder that is shared (or holds one that is) only within their own home, where
+        they may share. Nobody (409) moves a home or a shared folder out of notes/, or a
+        home into another home (or around one). Homes and members then follow the move
+        (folder_moved)."""
+        data = self.state.read()
+        homes = [p["home"] for p in self.people(data)]
+        notes = src.startswith(NOTES + "/")
+        holds_home = [h for h in homes if inside(h, src)] if notes else []
+        holds_share = [f for f in data.get("members", {}) if inside(f, src)] if notes else []
+        if principal.person:
+            where = principal.reach.folder_of(src)
+            if any(where == folder for folder, _ in principal.reach.folders):
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    f"{src} is where this key's reach starts (a home, or a folder shared "
+                    "with it): move or delete what is in it, not the folder itself",
+                )
+            if holds_home:
+                raise ApiError(
+                    403, "FORBIDDEN", f"{src} holds a person's home: only the owner moves it"
+                )
+            me = self.get(principal.person, data)
+            mine = me is not None and inside(src, me["home"])
+            if holds_share and dst is not None and not (mine and inside(dst, me["home"])):
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    f"{src} is shared (or holds a shared folder): it moves within its "
+                    "sharer's home only; unshare it first, or ask the owner",
+                )
+        if dst is None or not (holds_home or holds_share):
+            return
+        if not dst.startswith(NOTES + "/"):
+            raise ApiError(409, "CONFLICT", "a home or a shared folder stays under notes/")
+        for home in holds_home:
+            there = dst + home[len(src) :]
+            if any(o not in holds_home and (inside(there, o) or inside(o, there)) for o in homes):
+                raise ApiError(
+                    409, "CONFLICT", f"{home} would lie in another person's home, or hold one"
+                )
+
     def folder_moved(self, old: str, new: str) -> None:
-        """Keep homes and members on a folder that moved (old -> new, under notes/)."""
+        """Keep homes and members on a folder that moves (old -> new, under notes/), and the
+        share links of the notes in it: called before its notes move, so a person's home
+        and their links never part (called back, new -> old, when the move fails)."""
 
         def moved(path: str) -> str:
             return new + path[len(old) :] if inside(path, old) else path
@@ -319,6 +373,8 @@ class PeopleStore:
             for p in d.get("people", []):
                 p["home"] = moved(p["home"])
             d["members"] = {moved(f): m for f, m in d.get("members", {}).items()}
+            for share in d.get("shares", []):  # (ahead of its note: it stays its maker's)
+                share["path"] = moved(share["path"])
 
         self.state.update(change)
         self._changed()

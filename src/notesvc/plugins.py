@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from notesvc.boot import bottle, log
 from notesvc.errors import ApiError, not_found, ok
-from notesvc.grants import request_principal, visible_note
+from notesvc.grants import Principal, request_principal, visible_note
 from notesvc.notes.paths import (
     ATTACHMENT_TYPES,
     ATTACHMENTS,
@@ -442,14 +442,21 @@ def update_links(svc: Service, old: str, new: str, linking: set) -> list:
     return changed
 
 
+def relinkable(principal: Principal) -> Callable:
+    """Return test(path): whether a move by `principal` may rewrite the links of the note
+    at path (the notes it may write; the owner's: every one)."""
+    return (lambda _path: True) if principal.whole else principal.may_write
+
+
 def move_and_relink(
     svc: Service, path: str, new: str, if_match: str | None = None, relink: bool = False
 ) -> dict:
     """Move a note (If-Match honoured; never overwrites) and, with `relink`, point the links
     to it at its new path; return its record there with `from` (and `linksUpdated`).
-    A folder grant's move rewrites links inside its folder only."""
-    sees = request_principal().sees
-    linking = set(filter(sees, link_graph(svc).get(path, ()))) if relink else set()
+    Only notes the mover may write are rewritten: a folder grant's, inside its folder; a
+    person's, in their reach and never in a folder shared with them for reading."""
+    writes = relinkable(request_principal())
+    linking = set(filter(writes, link_graph(svc).get(path, ()))) if relink else set()
     rec = svc.notes.move(path, new, if_match)
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking - {path})

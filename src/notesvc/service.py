@@ -229,6 +229,14 @@ class Service:
         # who sees what changed: the waiting change feeds look at their principal again
         self.grants.after_revoke.append(self.journal.nudge)
         self.people.after_change.append(self.journal.nudge)
+        # A key revoked (or a share removed) mid-request writes nothing once that answered:
+        # each change is entered through writing(), and revocations drain() what it let in.
+        self._gate = threading.Condition()
+        self._writing: dict = {}  # grant id -> [changes under way, its person]
+        for store in (self.notes, self.attachments, self.note_files):
+            store.guard = self.writing
+        self.grants.on_ended.append(lambda gone: self.drain(grants=gone))
+        self.people.drain = self.drain
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
@@ -261,6 +269,44 @@ class Service:
         for the owner."""
         person = self.people.get(request_principal().person)
         return {"id": person["id"], "name": person["name"]} if person else None
+
+    @contextlib.contextmanager
+    def writing(self, path: str):
+        """Around one change of `path` by the current request (the stores enter it under
+        the path's lock, before they change anything): its key may still write there
+        (GrantStore.still_writes: 401 revoked, 404/403 a person's share gone), and a
+        revocation or a share's removal that ends that waits (drain) until the change is
+        done. So once `DELETE /people/:id` or a members PUT answers, nothing more is
+        written with what it took away, on any thread."""
+        principal = request_principal()
+        grant_id = principal.grant_id
+        if not grant_id:  # the owner's own key (or no request): nothing to end
+            yield
+            return
+        with self._gate:
+            self.grants.still_writes(principal, path)
+            entry = self._writing.setdefault(grant_id, [0, principal.person])
+            entry[0] += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                entry[0] -= 1
+                if not entry[0]:
+                    self._writing.pop(grant_id, None)
+                    self._gate.notify_all()
+
+    def drain(self, grants: Any = (), people: Any = (), timeout: float = 30.0) -> None:
+        """Wait until the changes under way by these grants, or by any grant of these
+        people, are done (called after the state change that ended or narrowed them)."""
+        grants, people = set(grants), set(people) - {""}
+
+        def busy() -> bool:
+            return any(g in grants or e[1] in people for g, e in self._writing.items())
+
+        with self._gate:
+            if not self._gate.wait_for(lambda: not busy(), timeout):
+                log.warning("writes begun before a revocation were still under way")
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""

@@ -7,7 +7,7 @@ import urllib.parse
 
 from notesvc.boot import API, bottle
 from notesvc.errors import ApiError, bad_request, not_found
-from notesvc.grants import granted_tree, request_principal, visible_folder, visible_note
+from notesvc.grants import granted_tree, request_principal, searched_folders, visible_note
 from notesvc.helpers import iso
 from notesvc.notes.paths import MAX_PATH_CHARS, NOTES, note_title
 from notesvc.plugins import list_tags, move_and_relink
@@ -90,8 +90,8 @@ def tool_search_notes(
     svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
 ) -> dict:
     parsed = Query(query)
-    folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
-    found = find_notes(svc, parsed, "" if folder == NOTES else folder, limit, 0, mode)
+    within = searched_folders(svc, folder)  # a person's or a folder grant's reach by default
+    found = find_notes(svc, parsed, within, limit, 0, mode, request_principal().folders)
     results = [
         {"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in found["results"]
     ]
@@ -267,7 +267,7 @@ def tool_list_tags(svc: Service) -> dict:
     read_only=False,
 )
 def tool_create_note(svc: Service, path: str, content: str) -> dict:
-    return _summary(svc.notes.create(visible_note(svc.notes, path), content))
+    return _summary(svc.notes.create(visible_note(svc.notes, path, write=True), content))
 
 
 @tool(
@@ -279,7 +279,7 @@ def tool_create_note(svc: Service, path: str, content: str) -> dict:
     read_only=False,
 )
 def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
 
     def add(old: str) -> str:
         return old + ("\n" if old and not old.endswith("\n") else "") + text.rstrip("\n") + "\n"
@@ -303,7 +303,7 @@ def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
     destructive=True,
 )
 def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
 
     def swap(text: str) -> str:
         count = text.count(old)
@@ -339,7 +339,7 @@ def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
     idempotent=True,
 )
 def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
-    return _summary(svc.notes.update(visible_note(svc.notes, path), content, etag))
+    return _summary(svc.notes.update(visible_note(svc.notes, path, write=True), content, etag))
 
 
 @tool(
@@ -361,7 +361,8 @@ def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
 def tool_move_note(
     svc: Service, path: str, newPath: str, etag: str, updateLinks: bool = False
 ) -> dict:
-    path, new = visible_note(svc.notes, path), visible_note(svc.notes, newPath)
+    path = visible_note(svc.notes, path, write=True)  # write on both sides (a read share: 403)
+    new = visible_note(svc.notes, newPath, write=True)
     rec = move_and_relink(svc, path, new, etag, updateLinks)
     return {**_summary(rec), **{k: rec[k] for k in ("from", "linksUpdated") if k in rec}}
 
@@ -378,7 +379,7 @@ def tool_move_note(
     idempotent=True,
 )
 def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
-    done = svc.notes.delete(visible_note(svc.notes, path), etag)
+    done = svc.notes.delete(visible_note(svc.notes, path, write=True), etag)
     return {"path": done["path"], "deleted": True}
 
 
@@ -392,7 +393,7 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
 )
 def tool_search(svc: Service, query: str) -> dict:
     folders = request_principal().folders  # a grant searches its reach
-    hits = find_notes(svc, Query(query), folders, 10, 0)["results"]
+    hits = find_notes(svc, Query(query), folders, 10, 0, reach=folders)["results"]
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 

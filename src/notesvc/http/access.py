@@ -646,7 +646,8 @@ def oauth_consent(svc: Service) -> dict:
 
 
 def approve_oauth(svc: Service) -> dict:
-    """POST /api/v1/oauth/approve (the owner): an authorisation code for the client."""
+    """POST /api/v1/oauth/approve (the owner, or a person: their connector, within their
+    reach): an authorisation code for the client."""
     body = read_json(svc.config.max_body_bytes)
     env = bottle.request.environ
     client_id = field(body, "clientId", max_len=2000)

@@ -23,6 +23,7 @@ from notesvc.grants import (
     clean_name,
     granted_tree,
     request_principal,
+    searched_folders,
     visible_attachment,
     visible_folders,
     visible_note,
@@ -55,7 +56,7 @@ from notesvc.notes.history import VERSION_ID_RE
 from notesvc.notes.merge import title_filename, unified_diff
 from notesvc.notes.paths import ATTACHMENTS, NOTES, note_path
 from notesvc.notes.trash import attachment_or_note_path, change_record
-from notesvc.plugins import attachment_linkers, move_and_relink, update_links
+from notesvc.plugins import attachment_linkers, move_and_relink, relinkable, update_links
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import MAX_MESSAGE_CHARS, MCP_VERSIONS
 from notesvc.relay import RELAY_WORKERS
@@ -669,9 +670,8 @@ def move_attachment(svc: Service, path: str) -> dict:
     body = read_json(svc.config.max_body_bytes)
     new = visible_attachment(svc.attachments, field(body, "path"), write=True)
     relink = field(body, "updateLinks", bool, required=False)
-    linking = (
-        set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
-    )
+    writes = relinkable(request_principal())  # (the notes it may write, as for a note's move)
+    linking = set(filter(writes, attachment_linkers(svc, path))) if relink else set()
     rec = svc.attachments.move(path, new, if_match_header())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
@@ -863,7 +863,7 @@ def _still(svc: Service, who: Principal) -> Principal:
     """Return who a waiting feed acts as now (its reach as shared now); 401 once revoked,
     410 once a folder it followed is no longer shared with it (its list lost notes the
     feed cannot name: it lists again)."""
-    now = svc.grants.current(who)
+    now = svc.grants.current(who.grant_id) if who.grant_id else who
     if now is None:
         raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
     if any(not now.sees(folder) for folder, _ in who.reach.folders):
@@ -914,11 +914,11 @@ def list_changes(svc: Service) -> dict:
 def search_notes(svc: Service) -> dict:
     started = time.perf_counter()
     query = Query(query_str("q"))
-    _, shown = visible_folders(svc, query_str("folder") or NOTES)  # the reach's by default
-    folder = () if shown == (NOTES,) else shown
+    folder = searched_folders(svc, query_str("folder"))  # the reach's by default
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
-    found = find_notes(svc, query, folder, limit, offset, query_str("mode"))
+    reach = request_principal().folders  # scored within it: nothing else moves a score
+    found = find_notes(svc, query, folder, limit, offset, query_str("mode"), reach)
     results = [
         {"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in found["results"]
     ]

@@ -21,6 +21,7 @@ from notesvc.helpers import (
 )
 from notesvc.http.api import INBOX
 from notesvc.http.dav import (
+    DAV_CHALLENGE,
     DAV_PREFIX,
     DavError,
     dav_authenticate,
@@ -101,6 +102,8 @@ class CalError(DavError):
 def cal_error(e: ApiError) -> bottle.HTTPResponse:
     condition = getattr(e, "condition", "")
     headers = {k: v for k, v in e.headers.items() if k.lower() != "content-type"}
+    if e.status_code == 401:
+        headers.setdefault("WWW-Authenticate", DAV_CHALLENGE)
     if condition:
         tag = condition if ":" in condition else f"D:{condition}"
         inner = getattr(e, "inner", "")
@@ -341,7 +344,10 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     me = _prop("DAV:", "href", xesc(cal_href(ctx, "principal", True)))
     home = _prop("DAV:", "href", xesc(cal_href(ctx, "calendars", True)))
     privs = "<D:privilege><D:read/></D:privilege>"
-    if principal.allows("write"):
+    writes = principal.allows("write")
+    if res["kind"] == "list" and res["folder"] and not principal.whole:
+        writes = principal.may_write(f"{res['folder']}/{TASKS_NOTE}")  # (a read share: no)
+    if writes:
         privs += "".join(
             f"<D:privilege><D:{p}/></D:privilege>"
             for p in ("write", "write-content", "bind", "unbind")
@@ -1023,6 +1029,7 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
             f"<D:href>{xesc(href)}</D:href>",
         )
     if task is not None:
+        cal_may_write(principal, task["path"])
 
         def edit(lines: list, at: int) -> None:
             lines[at] = cal_rewrite(svc, {**task, "text": lines[at]}, new)
@@ -1049,6 +1056,7 @@ def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, n
     parent = book.tasks.get(new["parent"] or "")
     folder = res["list"]["folder"]
     if parent and _sees(principal, parent["path"]) and folder in (None, parent["folder"]):
+        cal_may_write(principal, parent["path"])
         m = TASK_LINE_RE.match(parent["text"])
         indent = m.group(1) + " " * len(m.group(2) + m.group(3))
         line = task_line_of(
@@ -1071,11 +1079,17 @@ def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, n
     path = f"{folder or principal.home or INBOX}/{TASKS_NOTE}"
     if not _sees(principal, path):
         raise DavError(404, f"no task list {res['list']['id']}")
-    if not principal.whole and not principal.may_write(path):
-        raise DavError(403, f"this key may only read {path.rsplit('/', 1)[0]}")
+    cal_may_write(principal, path)
     line = task_line_of(new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"])
     book.claim(path, line, new["uid"], res["href"])
     cal_append(svc, path, line)
+
+
+def cal_may_write(principal: Principal, path: str) -> None:
+    """403 (DAV:need-privileges) where a principal may only read: a folder shared with a
+    person for reading."""
+    if not principal.whole and not principal.may_write(path):
+        raise CalError(403, f"this key may only read {path.rsplit('/', 1)[0]}", "D:need-privileges")
 
 
 def cal_append(svc: Service, path: str, line: str) -> None:
@@ -1107,6 +1121,7 @@ def cal_delete(svc: Service, book: TaskBook, res: dict, ctx: dict):
     if task is None:
         raise DavError(404, f"nothing at /dav/{res['path']}")
     _check_if_match(task)
+    cal_may_write(ctx["principal"], task["path"])
 
     def drop(lines: list, at: int) -> None:
         del lines[at]

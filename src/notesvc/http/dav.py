@@ -86,6 +86,7 @@ DAV_PROPS_BYTES_PER_PATH = 64 * 1024  # ...in how many characters...
 DAV_PROPS_PATHS = 10000  # ...on how many resources...
 DAV_PROPS_BYTES = 8 << 20  # ...and in how many characters in all
 XML_TYPE = "application/xml; charset=utf-8"
+DAV_CHALLENGE = 'Basic realm="notesvc", charset="UTF-8"'  # a 401's WWW-Authenticate
 NOTE_TYPE = "text/markdown; charset=utf-8"
 _DAV_LIVE = (
     "displayname",
@@ -1045,6 +1046,8 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         raise DavError(400, "a folder is deleted whole: Depth: infinity")
     if request_header("If-Match") and not item.is_dir:
         check_etag(if_match_header(), dav_etag(dav, item), "file")
+    if item.is_dir:  # a person's home, a shared folder: not by its members (403)
+        svc.people.check_folder_change(ctx["principal"], item.path, None)
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
     dav.drop_locks(item.path)  # (RFC 4918 9.6.1)
@@ -1118,12 +1121,25 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     target = dav_item(svc, dst)
     if target.exists and overwrite == "F":
         raise DavError(412, f"/dav/{dst} exists and Overwrite is F")
+    folder_move = move and item.is_dir
+    if folder_move:  # a home or a shared folder: who may move it, and where (409/403)
+        svc.people.check_folder_change(principal, item.path, dst)
     dav_can_place(svc, item, dst, depth)  # before anything changes, the target included
+    if target.exists and target.is_dir:
+        svc.people.check_folder_change(principal, target.path, None)
     if not move:
         dav.props_room(item.path)
     if target.exists:
         dav_delete(svc, dav, target)
-    dav_copy(svc, dav, item, dst, move, depth)
+    if folder_move and item.top == NOTES and dst.startswith(NOTES + "/"):
+        svc.people.folder_moved(item.path, dst)  # homes, members and links follow it
+        try:
+            dav_copy(svc, dav, item, dst, move, depth)
+        except BaseException:
+            svc.people.folder_moved(dst, item.path)
+            raise
+    else:
+        dav_copy(svc, dav, item, dst, move, depth)
     if move:
         dav.drop_locks(item.path)  # (RFC 4918 9.9.4)
         dav_keep_folder(item)
@@ -1270,7 +1286,7 @@ def dav_authenticate(svc: Service, env: dict) -> Principal:
             raise DavError(
                 401,
                 "a key is needed: any user name, the key as the password",
-                headers={"WWW-Authenticate": 'Basic realm="notesvc", charset="UTF-8"'},
+                headers={"WWW-Authenticate": DAV_CHALLENGE},
             ) from None
         raise
 
@@ -1311,7 +1327,8 @@ def dav_answer(svc: Service, env: dict, method: str, raw: str):
     if write and not principal.allows("write"):
         raise DavError(403, f"this key is {principal.scope}-only")
     path = dav_checked(raw)
-    if not dav_grant_sees(principal, path, write=write and method != "UNLOCK"):
+    # (UNLOCK changes nothing; COPY reads its source and writes its Destination, checked there)
+    if not dav_grant_sees(principal, path, write=write and method not in ("UNLOCK", "COPY")):
         if write and dav_grant_sees(principal, path):
             raise DavError(403, "this key may not write here")
         raise DavError(404, f"nothing at /dav/{path}")
@@ -1336,6 +1353,8 @@ def dav_holder(principal: Principal) -> str:
 def dav_error(e: ApiError) -> bottle.HTTPResponse:
     condition = getattr(e, "condition", "")
     headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type",)}
+    if e.status_code == 401:  # (also a key revoked while its write was on its way)
+        headers.setdefault("WWW-Authenticate", DAV_CHALLENGE)
     if condition:
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error xmlns:D="DAV:">'

@@ -41,7 +41,10 @@ FEED_USE_SECONDS = 300  # lastUsedAt is written at most this often
 
 def feed_record(feed: dict) -> dict:
     keys = ("id", "name", "folder", "createdAt", "lastUsedAt", "hint")
-    return {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+    rec = {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+    if feed.get("person"):  # whose it is (the owner lists everyone's)
+        rec["person"] = feed["person"]
+    return rec
 
 
 def feed_url(svc: Service, environ: dict, secret: str) -> str:

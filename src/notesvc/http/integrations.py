@@ -58,7 +58,7 @@ from notesvc.providers.channels import (
 )
 from notesvc.search.text import MAX_QUERY_CHARS
 from notesvc.service import Service, current_request_id
-from notesvc.transfer.export import export_files, export_zip
+from notesvc.transfer.export import ExportCut, export_files, export_zip
 from notesvc.transfer.formats import run_import
 from notesvc.transfer.plan import import_settled
 from notesvc.web import negotiated_page, web_client_headers
@@ -642,7 +642,15 @@ def get_export(svc: Service):
     resp.set_header("Cache-Control", "no-store")
     what = ", ".join(principal.folders) or "every note"
     log.info("request %s: export of %s", current_request_id(), what)
-    return export_zip(svc.config.root, principal)
+
+    def still(name: str) -> bool:  # a person removed, a share removed, while it streams
+        now = svc.grants.current(principal.grant_id) if principal.grant_id else principal
+        if now is None:
+            log.info("export ended: its key was revoked while it streamed")
+            raise ExportCut
+        return now.sees(name)
+
+    return export_zip(svc.config.root, principal, still=still)
 
 
 def too_large_for_relay(size: int, limit: int) -> ApiError:

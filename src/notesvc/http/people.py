@@ -89,6 +89,8 @@ def _shared_folder(svc: Service, raw: str) -> str:
 
 def get_members(svc: Service, path: str) -> dict:
     folder = _shared_folder(svc, path)
+    if not svc.notes.on_disk(folder).is_dir():  # (moved away, or never made)
+        raise not_found(f"no folder at {folder}")
     return {"path": folder, "members": svc.people.members(folder)}
 
 

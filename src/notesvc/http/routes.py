@@ -1074,7 +1074,7 @@ ROUTES = (
         "POST",
         "/oauth/approve",
         approve_oauth,
-        summary="The owner approves an OAuth request: the redirect with its code",
+        summary="The owner or a person approves an OAuth request: the redirect with its code",
         body=_obj(
             ["clientId", "redirectUri", "codeChallenge", "scope"],
             clientId={**_STR, "minLength": 1, "maxLength": 2000},

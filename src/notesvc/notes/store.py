@@ -335,6 +335,12 @@ class NoteStore(FileTree):
         # sets it to the request's grant's name; None: the owner, the server itself
         self.actor: Callable[[], str | None] = lambda: None
         self.person: Callable[[], dict | None] = lambda: None  # {id, name}: a person's change
+        # guard(path): a context around one change of path, entered under the note's lock
+        # before anything changes: it raises when the request under way may no longer
+        # change path (its key revoked, its person's share removed since its key was
+        # checked), and a revocation waits for the changes inside it (the Service sets it:
+        # Service.writing; nothing by default)
+        self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -823,6 +829,7 @@ class NoteStore(FileTree):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
             was = _moved_from(path, new)
             with (
+                self.guard(new),  # (and the path it leaves, in _changing)
                 self._changing(path, data, "moved", new=was),
                 self._new_parents(dst),
                 disk_writes(),
@@ -898,26 +905,27 @@ class NoteStore(FileTree):
         HistoryStore.keep) when the change replaces the note's file by a rename: then it
         gives what atomic_write must run before that rename. `new`: the content written
         (the version's summary counts the lines it changed), or a summary in words."""
-        journal, history = self.journal, self.history
-        if journal is not None:
-            journal.reserve()
-        try:
-            keep = history is not None and old is not None
-            vid = history.keep(path, old, reason, inode) if keep else None
-        except BaseException:
+        with self.guard(path):
+            journal, history = self.journal, self.history
             if journal is not None:
-                journal.release()
-            raise
-        try:
-            yield (lambda: history.durable(path)) if vid and inode else None
-        except BaseException:
+                journal.reserve()
+            try:
+                keep = history is not None and old is not None
+                vid = history.keep(path, old, reason, inode) if keep else None
+            except BaseException:
+                if journal is not None:
+                    journal.release()
+                raise
+            try:
+                yield (lambda: history.durable(path)) if vid and inode else None
+            except BaseException:
+                if vid:
+                    history.discard(path, vid)
+                if journal is not None:
+                    journal.release()
+                raise
             if vid:
-                history.discard(path, vid)
-            if journal is not None:
-                journal.release()
-            raise
-        if vid:
-            history.settle(path, vid, self._version_meta(old, new))
+                history.settle(path, vid, self._version_meta(old, new))
 
     def _version_meta(self, old: bytes | None, new: bytes | str | None) -> dict:
         """Return {savedBy, summary} of the change a version is kept for."""
@@ -1184,6 +1192,7 @@ class AttachmentStore(FileTree):
         self.trash = trash
         self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
+        self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()  # NoteStore's
 
     def make_root(self) -> None:
         """Create the attachments folder when it is missing: private (0700, as the notes
@@ -1323,7 +1332,7 @@ class AttachmentStore(FileTree):
                 if unique:
                     path, target = self._free(path, target)
                 exists = self.check(path, if_match, if_none_match)
-                with self._new_parents(target, path):
+                with self.guard(path), self._new_parents(target, path):
                     os.chmod(tmp, 0o666 & ~UMASK)
                     self._rename(tmp, target)
                 fsync_dir(target.parent)
@@ -1376,7 +1385,7 @@ class AttachmentStore(FileTree):
             dst = self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"an attachment already exists at {new}")
-            with self._new_parents(dst, new), disk_writes():
+            with self.guard(path), self.guard(new), self._new_parents(dst, new), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
@@ -1388,7 +1397,7 @@ class AttachmentStore(FileTree):
         with self._lock:
             src = self.file_of(path)
             check_etag(if_match, self.get(path)["etag"], "attachment")
-            trashed = move_to_trash(src, self.trash, path)
+            trashed = move_to_trash(src, self.trash, path, self.guard(path))
             self._prune(src.parent)
         return {"path": path, "deleted": True, **trashed}
 
@@ -1415,7 +1424,7 @@ class AttachmentStore(FileTree):
             dst = self.file_of(path)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"an attachment already exists at {path}")
-            with self._new_parents(dst, path), disk_writes():
+            with self.guard(path), self._new_parents(dst, path), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             return self.record(path, os.stat(dst))

@@ -300,5 +300,10 @@ def ask_agent(
         paths = [p for p in dict.fromkeys(answer[2]) if p in titles or svc.notes.exists(p)]
     else:
         paths = list(titles)
+    if folder:  # a reach: whatever a provider names, no note outside it is a source
+        within = tuple(
+            f.rstrip("/") + "/" for f in ((folder,) if isinstance(folder, str) else folder)
+        )
+        paths = [p for p in paths if isinstance(p, str) and p.startswith(within)]
     sources = [{"path": p, "title": titles.get(p) or svc.index.title_of(p) or p} for p in paths]
     return {"reply": reply, "provider": provider.name, "model": model, "sources": sources}

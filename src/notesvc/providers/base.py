@@ -338,7 +338,7 @@ def _hits_in_folder(svc: Service, question: str, folder: str | tuple, limit: int
             break
         text = f"{text} OR {word}" if text else word
     try:
-        _, ranked = svc.index.search(Query(text), folder, limit)
+        _, ranked = svc.index.search(Query(text), folder, limit, reach=folder)
     except ApiError:  # no searchable word in the question
         return []
     hits = []

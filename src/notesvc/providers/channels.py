@@ -957,7 +957,7 @@ def chat_principal(svc: Service, channel: dict, sender: str) -> tuple:
     if not linked or maker is None:
         return False, None
     found = svc.grants.principal_by_id(maker)
-    who = svc.grants.current(found) if found is not None else None
+    who = found if found is None or not found.grant_id else svc.grants.current(found.grant_id)
     if who is None or not (who.whole or who.reach.folders):
         return True, None
     return True, who

@@ -46,26 +46,35 @@ def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
 
 
 def find_notes(
-    svc: Service, query: Query, folder: str | tuple, limit: int, offset: int, mode: str = ""
+    svc: Service,
+    query: Query,
+    folder: str | tuple,
+    limit: int,
+    offset: int,
+    mode: str = "",
+    reach: tuple = (),
 ) -> dict:
     """Search as `mode` asks (hybrid by default when embeddings are on), among the notes of
-    `folder` (a folder, or the folders of a reach: "" or () every note): {total, results:
-    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
-    does: it answers in keyword mode with fallback true."""
+    `folder` (a folder, or several: "" or () every note) within `reach` (the folders of a
+    principal that sees part of the notes, () everything: they alone give the words' scores
+    their statistics, SearchIndex.search): {total, results: [(path, title, score, snippet)],
+    mode, fallback}. Never fails because the endpoint does: it answers in keyword mode with
+    fallback true."""
     embedder = svc.embedder
+    folder = folder or reach  # never wider than the reach
     if mode and mode not in MODES:
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
     if mode != "keyword" and embedder is not None and not _lexical_only(query):
         vector = embedder.query_vector(_embedding_text(query))
         if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
-    total, hits = svc.index.search(query, folder, limit, offset)
+            return _by_meaning(svc, query, folder, (limit, offset), mode, vector, reach)
+    total, hits = svc.index.search(query, folder, limit, offset, reach=reach)
     return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
 
 
 def _by_meaning(
-    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector
+    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector, reach: tuple
 ) -> dict:
     near = svc.embedder.nearest(vector, folder)
     if query.excludes:
@@ -75,7 +84,9 @@ def _by_meaning(
     if mode == "semantic":
         ranked = [(p, round(s, 4)) for p, s, _ in near]
     else:
-        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
+        _, hits = svc.index.search(
+            query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False, reach=reach
+        )
         words = [p for p, *_ in hits]
         ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
     limit, offset = page

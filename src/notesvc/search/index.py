@@ -40,6 +40,7 @@ from notesvc.search.helper import (
     discard_temp,
     read_items,
 )
+from notesvc.search.masks import MaskCache, ReachMasks
 from notesvc.search.persistence import (
     DiskSegment,
     IndexFileError,
@@ -142,11 +143,11 @@ def _best(scores: dict, m: int) -> tuple:
 class _Match:
     """One segment's candidates for a query, with approximate scores (stored impacts)."""
 
-    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None):
+    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None, mask=None):
         self.seg, self.comps, self.hi = seg, comps, hi
         self.scores = scores  # {id: approximate score}, or None: the one-word fast path
         self.total = len(scores) if scores is not None else 0
-        self._single: dict = {}
+        self.mask = mask  # the one-word fast path within a reach: its SegmentMask
 
     def top(self, m: int) -> tuple:
         """Return ([(approx, id)] of the m best, in no order, bound on the approx of every
@@ -156,8 +157,9 @@ class _Match:
         return self._top_single(m)
 
     def count_single(self) -> None:
-        """Count the notes holding the word (body or title), deleted ones aside."""
-        deleted = self.seg.deleted
+        """Count the notes holding the word (body or title), deleted ones aside (and, within
+        a reach, the ones outside it)."""
+        mask = self.mask
         body = title = None
         for comp in self.comps:
             if comp[3] == 0:
@@ -166,11 +168,20 @@ class _Match:
                 title = comp
         self.body, self.title = body, title
         self.title_scores: dict = {}
-        total = len(body[1]) - body[5] if body else 0
+        self.deleted = self.seg.deleted if mask is None else ()  # a mask holds live notes
+        if body is None:
+            self.body_at: Sequence = ()
+        elif mask is None:
+            self.body_at = range(len(body[1]))
+        else:
+            self.body_at = mask.positions(body[1])
+        total = len(self.body_at) - (body[5] if body and mask is None else 0)
+        held = mask.mask if mask is not None else None
+        deleted = self.deleted
         if title:
             w, ids, imps = title[:3]
             for d, imp in zip(ids, imps):
-                if d in deleted:
+                if d in deleted or (held is not None and not held[d]):
                     continue
                 self.title_scores[d] = w * imp
                 if body is None or sorted_position(body[1], d) < 0:
@@ -182,10 +193,10 @@ class _Match:
         bound = 0.0
         if self.body:
             w, ids, imps = self.body[:3]
-            deleted = self.seg.deleted
+            deleted = self.deleted
             want = m + len(scores) + len(deleted) + 1
-            idx = range(len(ids))
-            if want < len(ids):
+            idx = self.body_at
+            if want < len(idx):
                 idx = _largest(want, idx, imps.__getitem__)
                 bound = w * imps[idx[-1]]
             taken = set()
@@ -263,6 +274,7 @@ class SearchIndex:
         self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
         self._texts = TextCache()  # the texts snippets were cut from lately
+        self._masks = MaskCache()  # which notes of each segment the reaches searched hold
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
         # kept up to date by single adds and removals (folder_counts)
@@ -739,16 +751,22 @@ class SearchIndex:
 
     # -- searching -----------------------------------------------------------------------
 
-    def _terms(self, segs: list, n: int, stems: list) -> tuple:
+    def _terms(self, segs: list, n: int, stems: list, masks: ReachMasks | None = None) -> tuple:
         """Return ({stem: [key per segment]}, {stem: (body weight, title weight)},
-        {stem: [live body df, live title df]})."""
+        {stem: [live body df, live title df]}); within a reach (`masks`), its notes' df."""
         per_seg = [seg.keys(stems) for seg in segs]
         keys, weights, dfs = {}, {}, {}
         for j, s in enumerate(stems):
             ks = [found[j] for found in per_seg]
             df = [0, 0]
+            if masks is not None:
+                df = [sum(masks.df(si, k, f) for si, k in enumerate(ks)) for f in (0, 1)]
+                ks = [
+                    k if k is not None and (masks.df(si, k, 0) or masks.df(si, k, 1)) else None
+                    for si, k in enumerate(ks)
+                ]
             for seg, k in zip(segs, ks):
-                if k is not None:
+                if k is not None and masks is None:
                     for f in (0, 1):
                         p = seg.postings(k, f)
                         if p:
@@ -757,24 +775,24 @@ class SearchIndex:
             weights[s] = (bm25_weight(n, df[0], "body"), bm25_weight(n, df[1], "title"))
         return keys, weights, dfs
 
-    def _expand(self, segs: list, n: int, prefix: str) -> list:
+    def _expand(self, segs: list, n: int, prefix: str, masks: ReachMasks | None = None) -> list:
         """Return up to MAX_PREFIX_TERMS stems of words starting with prefix, commonest first
-        (of the first 16 * MAX_PREFIX_TERMS such words, in order)."""
+        (of the first 16 * MAX_PREFIX_TERMS such words, in order; within a reach, its)."""
         cap = 16 * MAX_PREFIX_TERMS
         words: dict = {}
         for seg in segs:
             for w, s in seg.prefix_words(prefix, cap):
                 words.setdefault(w, s)
         stems = sorted({words[w] for w in sorted(words)[:cap]})
-        _, _, dfs = self._terms(segs, n, stems)
+        _, _, dfs = self._terms(segs, n, stems, masks)
         alive = [s for s in stems if dfs[s][0] or dfs[s][1]]
         alive.sort(key=lambda s: (-dfs[s][0], s))
         return alive[:MAX_PREFIX_TERMS]
 
-    def _resolve(self, segs: list, n: int, alt: tuple) -> tuple:
+    def _resolve(self, segs: list, n: int, alt: tuple, masks: ReachMasks | None = None) -> tuple:
         kind = alt[0]
         if kind == "prefix":
-            return kind, self._expand(segs, n, alt[1])
+            return kind, self._expand(segs, n, alt[1], masks)
         return kind, [alt[1]] if kind == "word" else list(alt[1])
 
     @staticmethod
@@ -816,7 +834,7 @@ class SearchIndex:
             total += (min(sizes) if kind == "phrase" else sum(sizes)) if sizes else 0
         return total
 
-    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi) -> _Match | None:
+    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi, mask) -> _Match | None:
         order = sorted(clauses, key=lambda c: self._estimate(seg, si, c, keys))
         cands = None
         for clause in order:
@@ -829,7 +847,10 @@ class SearchIndex:
         for alt in excludes:
             cands -= self._alt_docs(seg, si, alt, keys, cands)
         cands = cands - seg.deleted
-        if folder and cands:  # the folders of a reach (their prefixes): any of them
+        if mask is not None and cands:  # the reach's notes only
+            held = mask.mask
+            cands = {d for d in cands if held[d]}
+        if folder and cands:  # the folders asked for (their prefixes): any of them
             cands = set().union(*(seg.in_folder(cands, prefix) for prefix in folder))
         if not cands:
             return None
@@ -862,9 +883,11 @@ class SearchIndex:
         """Return the most a segment's stored impacts can rise with today's averages."""
         return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + SCORE_EPS)
 
-    def _matches(self, segs, n, avg, clauses, excludes, folder) -> list:
+    def _matches(self, segs, n, avg, clauses, excludes, folder, masks=None) -> list:
+        """Return ([_Match] of the segments holding candidates, the query's keys): among the
+        notes of `folder` (prefixes; () every note) and, with `masks`, of a reach."""
         stems = sorted({s for clause in [*clauses, excludes] for _, ss in clause for s in ss})
-        keys, weights, _ = self._terms(segs, n, stems)
+        keys, weights, _ = self._terms(segs, n, stems, masks)
         single = (
             (len(clauses) == 1 and len(clauses[0]) == 1 and clauses[0][0][0] == "word")
             and not excludes
@@ -873,15 +896,16 @@ class SearchIndex:
         matches = []
         for si, seg in enumerate(segs):
             hi = self._hi(seg, avg)
+            mask = masks.masks[si] if masks is not None else None
             if single:
                 comps = self._comps(seg, si, clauses[0][0][1], keys, weights)
                 if comps:
-                    mt = _Match(seg, comps, hi)
+                    mt = _Match(seg, comps, hi, mask=mask)
                     mt.count_single()
                     if mt.total:
                         matches.append(mt)
             else:
-                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi)
+                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi, mask)
                 if mt:
                     matches.append(mt)
         return matches, keys
@@ -945,17 +969,27 @@ class SearchIndex:
         limit: int = 20,
         offset: int = 0,
         snippets=True,
+        reach: tuple = (),
     ) -> tuple:
         """Return (total, [(path, title, score, snippet)]) best first (snippets "" when
-        not asked for), among the notes of `folder` (a folder, or the folders of a reach:
-        () or "" every note)."""
+        not asked for), among the notes of `folder` (a folder, or several: () or "" every
+        note). `reach`: the folders a principal that sees part of the notes reaches (()
+        everything): only their notes are searched, and they alone give BM25 its statistics
+        (N, df, average lengths), so nothing outside them moves a score or a count."""
+        within = folder_prefixes(reach)
         prefix = folder_prefixes(folder)
+        if within and set(prefix) == set(within):
+            prefix = ()  # the reach itself: its masks filter
         with self._lock:
             segs = self._all()
-            n, avg = self._count(segs), self._averages(segs)
-            clauses = [[self._resolve(segs, n, alt) for alt in c] for c in query.clauses]
-            excludes = [self._resolve(segs, n, alt) for alt in query.excludes]
-            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
+            masks = self._masks.of(segs, within) if within else None
+            if masks is None:
+                n, avg = self._count(segs), self._averages(segs)
+            else:
+                n, avg = masks.count(), masks.averages()
+            clauses = [[self._resolve(segs, n, alt, masks) for alt in c] for c in query.clauses]
+            excludes = [self._resolve(segs, n, alt, masks) for alt in query.excludes]
+            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix, masks)
             total = sum(mt.total for mt in matches)
             ranked = self._rank(matches, offset + limit, avg, self._weight)[offset:]
             if not snippets:

@@ -311,6 +311,15 @@ class DiskSegment:
         off = self._tok_off
         return (off[0:-1:2], off[1::2]), (off[1::2], off[2::2])
 
+    def ids_under(self, prefix: str) -> memoryview:
+        """Return the ids of the notes (deleted ones too) whose paths start with prefix."""
+        target = prefix.encode()
+        return self._by_path[self._path_pos(target) : self._path_pos(target + b"\xff")]
+
+    def field_lengths(self, f: int) -> memoryview:
+        """Return every note's length in a field (tokens), by id."""
+        return self._dl[f::2]
+
     def in_folder(self, cands: set, prefix: str) -> set:
         target = prefix.encode()
         lo, hi = self._path_pos(target), self._path_pos(target + b"\xff")

@@ -346,6 +346,14 @@ class MemorySegment:
         docs, needle = self.docs, "".join(chars)
         return [d for d in cands if needle in docs[d][4 + f]]
 
+    def ids_under(self, prefix: str) -> list:
+        """Return the ids of the notes (deleted ones too) whose paths start with prefix."""
+        return [d for d, doc in enumerate(self.docs) if doc.path.startswith(prefix)]
+
+    def field_lengths(self, f: int) -> list:
+        """Return every note's length in a field (tokens), by id."""
+        return [len(doc[4 + f]) for doc in self.docs]
+
     def in_folder(self, cands: set, prefix: str) -> set:
         docs = self.docs
         return {d for d in cands if docs[d].path.startswith(prefix)}

@@ -218,6 +218,7 @@ _REC = struct.Struct("<Qf")  # chunk hash, scale; then the int8 vector, then its
 DEAD = 0xFFFFFFFF  # a record no note holds (a tombstone until compaction)
 RESCORE = 400  # chunks the sign-code pass hands to the int8 rescoring
 MAX_SEMANTIC_NOTES = 100  # notes a semantic pass returns at most
+REACH_ROWS = 16  # reaches whose records the semantic pass keeps (a person's search by meaning)
 
 
 class _PathTable:
@@ -359,6 +360,10 @@ class VectorStore:
         self.dirty = False  # meta.json is behind
         self.changes = 0  # notes given records or dropped since the store opened
         self.extra: dict = {}  # what the embedder keeps with it (the probe, the floor)
+        self._edits = 0  # any change of which note holds which records, or of a path
+        # the records of the notes under a reach's folders, as the semantic pass scans them:
+        # prefixes -> (the edits it was made at, the records), the few searched lately
+        self._reach_rows: collections.OrderedDict = collections.OrderedDict()
 
     # -- opening -----------------------------------------------------------------------
 
@@ -481,6 +486,7 @@ class VectorStore:
     # -- notes and records ------------------------------------------------------------
 
     def _claim(self, path: str, key: Any, recs: Any) -> None:
+        self._edits += 1
         number = self._names.find(path)
         if number is None:
             number = self._names.add(path)
@@ -534,6 +540,7 @@ class VectorStore:
             self._names.remove(n)
             self._count_folders(path, -1)
             self._len[n] = 0
+            self._edits += 1
             self.changes += 1
             self.dirty = True
 
@@ -544,6 +551,7 @@ class VectorStore:
             if n is None or self._names.find(new) is not None:
                 return False
             self._names.rename(n, new)
+            self._edits += 1
             self._count_folders(old, -1)
             self._count_folders(new, 1)
             self._keys[n] = _NO_KEY if key is None else key
@@ -779,7 +787,26 @@ class VectorStore:
 
     # -- the semantic pass ----------------------------------------------------------------
 
-    def _candidates(self, qcode: Any, within: list | None, k: int) -> list:
+    def _rows_under(self, prefixes: tuple) -> Any:
+        """Return the records of the notes under these folder prefixes (a NumPy array of
+        them, or an array): kept for the few reaches searched lately until a note gets other
+        records, is dropped or moves, so a person's search by meaning costs no walk of
+        every path."""
+        kept = self._reach_rows.get(prefixes)
+        if kept is not None and kept[0] == self._edits:
+            self._reach_rows.move_to_end(prefixes)
+            return kept[1]
+        held = [n for n, p in self._names.held() if p.startswith(prefixes)]
+        rows: Any = array.array("I", [r for n in held for r in self._run(n)])
+        if self.np is not None:
+            rows = self.np.asarray(rows, "int64")
+        self._reach_rows[prefixes] = (self._edits, rows)
+        self._reach_rows.move_to_end(prefixes)
+        while len(self._reach_rows) > REACH_ROWS:
+            self._reach_rows.popitem(last=False)
+        return rows
+
+    def _candidates(self, qcode: Any, within: Any, k: int) -> list:
         """Return up to about k records nearest the query's sign code (Hamming)."""
         np = self.np
         if np is not None:
@@ -839,9 +866,8 @@ class VectorStore:
             folders = (folder,) if isinstance(folder, str) else tuple(folder)
             prefixes = tuple(f.rstrip("/") + "/" for f in folders if f)
             if prefixes:
-                held = [n for n, p in self._names.held() if p.startswith(prefixes)]
-                within = [r for n in held for r in self._run(n)]
-                if not within:
+                within = self._rows_under(prefixes)
+                if not len(within):
                     return []
             np = self.np
             qcode = float_sign_code(query) if np is None else np.packbits(np.asarray(query) > 0)

@@ -81,15 +81,37 @@ class _ZipOut(io.RawIOBase):
         return data
 
 
-def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | None = None):
+class ExportCut(Exception):
+    """The key an export streams for was revoked (or its person removed) meanwhile."""
+
+
+def export_zip(
+    root: Path,
+    principal: Principal = OWNER,
+    progress: Callable | None = None,
+    still: Callable | None = None,
+):
     """Yield a zip of what export_files() lists, with each file's modification time and a
-    notesvc-export.json manifest, in chunks (nothing is held whole)."""
+    notesvc-export.json manifest, in chunks (nothing is held whole).
+
+    `still(name)`, asked before each file: whether the principal still sees it (a share
+    removed meanwhile: the file is left out); ExportCut from it (the key revoked) ends the
+    stream where it is, without the zip's directory, so the client holds no zip at all."""
     import zipfile
 
     out = _ZipOut()
+    try:
+        yield from _zip_chunks(zipfile, out, root, principal, progress, still)
+    except ExportCut:
+        return
+
+
+def _zip_chunks(zipfile, out, root, principal, progress, still):
     counts = {"notes": 0, "files": 0, "bytes": 0}
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
         for name, full, st in export_files(root, principal):
+            if still is not None and not still(name):
+                continue
             when = time.localtime(max(st.st_mtime, 315532800.0))[:6]  # zip's dates start 1980
             info = zipfile.ZipInfo(name, date_time=when)
             ext = name.rpartition(".")[2].lower()
