@@ -4292,9 +4292,9 @@ class ChangeJournal:
         self._waiting: collections.Counter = collections.Counter()
         self._closed = False
         self._nudges = 0  # bumped when who sees what changed: waiting feeds look again
-        # folders -> (the newest number looked at, the newest change under them up to
-        # there): a feed that sees few changes pays only for those since it last asked
-        self._seen: collections.OrderedDict = collections.OrderedDict()
+        # a folder -> the numbers of the changes below it (a move's at both ends), oldest
+        # first: a feed that sees part of the notes finds its own without looking at others'
+        self._under: dict = {}
 
     def open(self) -> ChangeJournal:
         """Read the journal, creating it when missing; a torn last line is dropped."""
@@ -4326,6 +4326,7 @@ class ChangeJournal:
                 return self
             self.floor, self.last = floor, after if entries else floor
             self._entries, self._seqs = entries, [e[0] for e in entries]
+            self._reindex()
             with self._file() as fd:
                 os.ftruncate(fd, end)  # a torn line and the old allowance go
             self._open, self._end, self._allocated = True, end, end
@@ -4349,6 +4350,26 @@ class ChangeJournal:
         self._open, self._end, self._allocated = True, len(content), len(content) + room
         self.floor, self.last = floor, max(floor, entries[-1][0] if entries else floor)
         self._entries, self._seqs = list(entries), [e[0] for e in entries]
+        self._reindex()
+
+    def _reindex(self) -> None:
+        """Index the entries held by the folders they are under (open, compaction)."""
+        self._under = {}
+        for e in self._entries:
+            self._file_under(e)
+
+    def _file_under(self, entry: tuple) -> None:
+        """Add an entry's number to the folders above its path (and a move's origin)."""
+        seq, under = entry[0], self._under
+        for path in (entry[2], entry[3]) if entry[1] == "moved" else (entry[2],):
+            at = path.find("/") if path else -1
+            while at > 0:
+                seqs = under.get(path[:at])
+                if seqs is None:
+                    under[path[:at]] = [seq]
+                elif seqs[-1] != seq:  # (a move within one folder: once)
+                    seqs.append(seq)
+                at = path.find("/", at + 1)
 
     @contextlib.contextmanager
     def _file(self):
@@ -4418,6 +4439,7 @@ class ChangeJournal:
             self.last = seq
             self._seqs.append(seq)
             self._entries.append(entry)
+            self._file_under(entry)
             if len(self._entries) > max(2 * self.keep, self._compact_at):
                 self._compact()
             self._cond.notify_all()
@@ -4431,6 +4453,7 @@ class ChangeJournal:
             except OSError as e:
                 log.warning("changes.log: could not reset it (%s)", e)
                 self.floor, self._entries, self._seqs = self.last, [], []
+                self._under = {}
             self._cond.notify_all()
 
     def read(self, since: int, limit: int) -> dict:
@@ -4456,30 +4479,11 @@ class ChangeJournal:
             "more": more,
         }
 
-    def _newest_seen(self, folders: tuple) -> tuple:
-        """Return (floor, entries, numbers, how many, the newest number of a change under
-        `folders` or None) of the journal as it is now, looking only at what came since
-        these folders last asked."""
-        below, exact = tuple(f + "/" for f in folders), frozenset(folders)
-        with self._cond:
-            floor, entries, seqs, n = self.floor, self._entries, self._seqs, len(self._entries)
-            upto, newest = self._seen.pop(folders, (-1, None))
-            self._seen[folders] = (upto, newest)  # the most recently asked last
-        stop = bisect.bisect_right(seqs, upto, 0, n)
-        for j in range(n - 1, stop - 1, -1):  # (entries only grow at the end, or are replaced)
-            e = entries[j]
-            if (
-                e[2].startswith(below)
-                or e[2] in exact
-                or (e[1] == "moved" and (e[3].startswith(below) or e[3] in exact))
-            ):
-                newest = seqs[j]
-                break
-        with self._cond:
-            self._seen[folders] = (max(upto, seqs[n - 1] if n else upto), newest)
-            while len(self._seen) > 256:
-                self._seen.popitem(last=False)
-        return floor, entries, seqs, n, newest
+    def _newest_under(self, folders: tuple) -> int | None:
+        """Return the newest number of a change under one of `folders`, None if the
+        journal holds none (called holding the lock)."""
+        found = [seqs[-1] for seqs in map(self._under.get, folders) if seqs]
+        return max(found) if found else None
 
     def read_seen(self, since: int, limit: int, folders: tuple, record: Callable) -> dict:
         """Return {changes, last, more} as one who sees the notes under `folders` sees the
@@ -4487,37 +4491,39 @@ class ChangeJournal:
         path is under them; was: a move's origin is). The numbers have gaps, and `last` is
         the newest change it sees: its cursor never moves for a change it may not see, nor
         tells how many there were. 410 for a cursor below the journal's floor or beyond
-        the newest change it sees. What each set of folders saw is kept, so a feed that
-        sees little pays for the changes since it last asked, not all of them."""
-        floor, entries, seqs, n, newest = self._newest_seen(folders)
-        seen_last = max(floor, newest if newest is not None else floor)
-        if since < floor or since > seen_last:
-            raise gone(
-                "this cursor is no longer answered for here; list the notes again and "
-                f"follow from since={seen_last}"
-            )
-        out, more = [], False
-        if newest is not None and since < newest:
-            below, exact = tuple(f + "/" for f in folders), frozenset(folders)
-            for j in range(bisect.bisect_right(seqs, since, 0, n), n):
-                e = entries[j]
-                if e[0] > newest:
-                    break
-                inside = e[2].startswith(below) or e[2] in exact
-                was = e[1] == "moved" and (e[3].startswith(below) or e[3] in exact)
-                if not inside and not was:
-                    continue
-                if len(out) == limit:
-                    more = True
-                    break
-                out.append(record(e, inside, was))
+        the newest change it sees. Its changes are found through the folders' index: what
+        it reads costs what it sees, not what everyone else changed."""
+        below, exact = tuple(f + "/" for f in folders), frozenset(folders)
+        with self._cond:
+            floor, newest = self.floor, self._newest_under(folders)
+            seen_last = max(floor, newest if newest is not None else floor)
+            if since < floor or since > seen_last:
+                raise gone(
+                    "this cursor is no longer answered for here; list the notes again and "
+                    f"follow from since={seen_last}"
+                )
+            found: set = set()
+            for seqs in map(self._under.get, folders):
+                if seqs:
+                    i = bisect.bisect_right(seqs, since)
+                    found.update(seqs[i : i + limit + 1])
+            numbers = sorted(found)[: limit + 1]
+            seqs, entries = self._seqs, self._entries
+            picked = [entries[bisect.bisect_left(seqs, n)] for n in numbers]
+        out = []
+        for e in picked[:limit]:
+            inside = e[2].startswith(below) or e[2] in exact
+            was = e[1] == "moved" and (e[3].startswith(below) or e[3] in exact)
+            out.append(record(e, inside, was))
+        more = len(picked) > limit
         return {"changes": out, "last": out[-1]["seq"] if out else since, "more": more}
 
     def seen_latest(self, folders: tuple) -> int:
         """Return the newest change under `folders`, or the floor: where one who sees
         them follows from."""
-        floor, _, _, _, newest = self._newest_seen(folders)
-        return max(floor, newest if newest is not None else floor)
+        with self._cond:
+            newest = self._newest_under(folders)
+            return max(self.floor, newest if newest is not None else self.floor)
 
     def creation(self, path: str) -> tuple | None:
         """Return (at, by, the path it was made at) of the note now at path, its `created`

@@ -217,7 +217,7 @@ class TestPeopleFeed:
         assert time.monotonic() - started < 10  # at once, not when its 25 s ran out
         assert_error(answer["resp"], 401, "UNAUTHORIZED")
 
-    def test_a_quiet_feed_reads_only_what_came_since_it_last_asked(self, house):
+    def test_a_quiet_feed_looks_at_its_own_changes_only(self, house):
         owner, _ann, as_ann, _bob, _ = house
         last = feed(as_ann)["last"]
         for i in range(40):
@@ -230,14 +230,28 @@ class TestPeopleFeed:
                 return super().__getitem__(i)
 
         journal._entries = Counting(journal._entries)
-        feed(as_ann, last)
-        assert len(looked) >= 40  # the owner's 40 notes, looked at once
-        looked.clear()
-        feed(as_ann, last)
-        assert looked == []  # nothing new: nothing looked at again
-        put_note(owner, "notes/owner/z.md", "one more")
-        feed(as_ann, last)
-        assert len(looked) == 1
+        assert feed(as_ann, last)["changes"] == []
+        assert data(as_ann.get(f"{API}/changes?since=latest"))["last"] == last
+        assert looked == []  # the owner's 40 changes: none looked at
+        put_note(owner, "notes/Family/more.md", "one more")
+        put_note(owner, "notes/owner/z.md", "not hers")
+        assert kinds(feed(as_ann, last)) == [("created", "notes/Family/more.md")]
+        assert len(looked) == 1  # hers, and nothing else
+
+    def test_a_move_between_two_of_her_folders_is_one_change(self, house):
+        owner, _ann, as_ann, _bob, _ = house
+        last = feed(as_ann)["last"]
+        owner.patch_json(f"{note_url('notes/Ann/todo.md')}/move", {"path": "notes/Family/t.md"})
+        put_note(owner, "notes/Family/after.md", "x")
+        first = feed(as_ann, last, limit=1)
+        assert first["more"] is True
+        changes = first["changes"]
+        assert [(c["kind"], c["path"], c.get("from")) for c in changes] == [
+            ("moved", "notes/Family/t.md", "notes/Ann/todo.md")
+        ]
+        second = feed(as_ann, changes[0]["seq"])
+        assert kinds(second) == [("created", "notes/Family/after.md")]
+        assert second["more"] is False
 
 
 class TestPeopleHistory:
