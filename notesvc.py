@@ -12301,11 +12301,14 @@ class Reach:
     everything: bool = False
     home: str = ""  # where what it makes goes by default: a folder grant's, a person's home
 
-    @property
+    @functools.cached_property
     def tops(self) -> tuple:
-        """Return the reached folders none of the others holds: what a filter needs."""
-        names = sorted({f for f, _ in self.folders})
-        return tuple(f for f in names if not any(inside(f, o) and f != o for o in names))
+        """Return the reached folders none of the others holds: what a filter needs (once
+        per reach: a change feed asks it on every read)."""
+        names = {f for f, _ in self.folders}  # one is held when a folder above it is here
+        return tuple(
+            sorted(f for f in names if not any(f[:i] in names for i, c in enumerate(f) if c == "/"))
+        )
 
     def folder_of(self, path: str) -> str:
         """Return the notes folder a note, attachment or folder path stands for (its
