@@ -50,15 +50,31 @@ data flows, each with the first line of its docstring:
   providers/polling.py    Channels that fetch their own updates.
   providers/reminders.py  Reminders: ⏰ lines sent through the channels.
   providers/embed.py      Embeddings: the endpoint's two wire formats and the background embedder.
+  providers/reader.py     The attachment reader: the text inside PDFs and images (pdftotext, OCR),
+                          for search.
   plugins.py              The Plugin record, loading, links and the built-in plugins.
   tools.py                The built-in tools MCP clients and the agent may call.
+  webclip.py              Clips: a web page as a Markdown note (the standard library's parser),
+                          images attached.
   transfer/plan.py        Imports: the plan, its bounds, and writing it through the stores.
   transfer/formats.py     The importers: folders (Obsidian, Notion), Keep, Evernote, Joplin.
   transfer/export.py      Export: a zip of everything a key sees.
+  passthrough/wire.py     What passthrough reads on the wire: ClientHellos' SNI, PROXY headers,
+                          certificate names.
+  passthrough/dns.py      The relay's DNS: authoritative for its domain (UDP, TCP), or RFC 2136
+                          updates with TSIG.
+  passthrough/acme.py     The server's certificate for <id>.D: ACME (RFC 8555) by DNS-01 through its
+                          relay, kept.
+  passthrough/front.py    The relay's TLS port: ClientHellos read for their name, spliced to servers
+                          that dial in.
+  passthrough/server.py   The home server's side of passthrough: dials, TLS in process, spliced
+                          waitress channels.
   audit.py                The security audit: AUDIT_CHECKS and the score.
   web.py                  The web client: one self-contained page, served by servers and relays
                           alike.
   relay.py                The relay (`notesvc relay`, on asyncio) and the server's RelayClient.
+  relay_client.py         The server's link to its relay: RelayClient registers, long-polls,
+                          answers, dials in.
   http/route.py           The Route record; conditional GET and byte ranges (attachments and WebDAV
                           share them).
   http/api.py             Handlers of the notes API: system, auth, notes, attachments, folders,
@@ -75,6 +91,8 @@ data flows, each with the first line of its docstring:
                           file.
   http/people.py          Handlers for people and shared folders: a household on one server
                           (docs/api.md: People).
+  http/capture.py         Handlers for capture: clips (/capture/clip, the /clip page), voice notes,
+                          file text.
   http/routes.py          The route table and OpenAPI.
   http/app.py             NotesApp (the middleware) and create_app.
   cli.py                  The command line: parser, cmd_* functions, main().
@@ -148,6 +166,7 @@ import argparse
 import array
 import asyncio
 import base64
+import binascii
 import bisect
 import collections
 import contextlib
@@ -161,6 +180,7 @@ import gzip
 import hashlib
 import heapq
 import hmac
+import html
 import importlib.util
 import io
 import ipaddress
@@ -177,24 +197,29 @@ import random
 import re
 import secrets
 import select
+import selectors
 import shutil
 import socket
+import ssl
 import stat
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
 import time
 import unicodedata
+import urllib.error
 import urllib.parse
+import urllib.request
 import uuid
 import weakref
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Container, Iterable, Mapping, Sequence, Sized
 from operator import mul
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, ClassVar
 
 try:
     import bottle  # noqa: F401 - the modules import it from here
@@ -284,6 +309,22 @@ def _setup_local_only(raw: str) -> str:
     return "auto" if word == "auto" else ("true" if _bool(raw) else "false")
 
 
+def _attachment_text(raw: str) -> str:
+    """Parse SERVICE_ATTACHMENT_TEXT: auto (read files when the tools are there) or off."""
+    word = raw.strip().lower()
+    if word in ("auto", "off"):
+        return word
+    raise ValueError(f"{raw!r} is not auto or off")
+
+
+def _ocr_langs(raw: str) -> str:
+    """Parse SERVICE_OCR_LANGS: tesseract's language codes joined by + (eng, deu+eng)."""
+    text = raw.strip()
+    if not re.fullmatch(r"[A-Za-z_]{2,32}(\+[A-Za-z_]{2,32}){0,7}", text):
+        raise ValueError(f"{raw!r} is not tesseract languages such as eng or deu+eng")
+    return text
+
+
 def _duration(lo: int, hi: int) -> Callable[[str], int]:
     """Parse seconds: a whole number, or one with s, m or h after it (30m, 2h)."""
     units = {"s": 1, "m": 60, "h": 3600}
@@ -347,6 +388,44 @@ def _domain(raw: str) -> str:
     if name and (len(name) > 200 or not re.fullmatch(rf"{label}(?:\.{label})+", name)):
         raise ValueError(f"{raw!r} is not a domain name such as relay.example.org")
     return name
+
+
+def _host_port(raw: str) -> str:
+    """Parse host:port ([v6]:port) of a DNS server (SERVICE_RELAY_DNS_UPDATE); "" is none."""
+    raw = raw.strip()
+    if not raw:
+        return ""
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{raw!r} is not host:port (e.g. 127.0.0.1:53)")
+    return raw
+
+
+def _addresses(raw: str) -> tuple:
+    """Parse a comma-separated list of IP addresses (SERVICE_RELAY_DNS_ADDRESSES)."""
+    found = []
+    for item in raw.split(","):
+        item = item.strip().strip("[]")
+        if item:
+            try:
+                found.append(str(ipaddress.ip_address(item)))
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address") from None
+    return tuple(found)
+
+
+def _tsig(raw: str) -> str:
+    """Parse SERVICE_RELAY_DNS_TSIG: <key name>:<base64 HMAC-SHA256 secret>."""
+    raw = raw.strip()
+    if raw:
+        name, sep, secret = raw.partition(":")
+        try:
+            key = base64.b64decode(secret.strip(), validate=True)
+        except ValueError:
+            key = b""
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]{1,250}", name) or len(key) < 16:
+            raise ValueError("give it as <key name>:<base64 secret of at least 16 bytes>")
+    return raw
 
 
 def _origins(raw: str) -> tuple:
@@ -471,6 +550,32 @@ SETTINGS = (
         "relay or open-port",
     ),
     Setting("relay_url", "SERVICE_RELAY_URL", "--relay-url", "", _url, "relay address"),
+    Setting(
+        "relay_passthrough",
+        "SERVICE_RELAY_PASSTHROUGH",
+        "",
+        "auto",
+        _choice("auto", "off"),
+        "auto: when the relay offers it, TLS ends on this server (a certificate for "
+        "<serverId>.<domain> by ACME); off: never",
+    ),
+    Setting(
+        "acme_directory",
+        "SERVICE_ACME_DIRECTORY",
+        "",
+        "https://acme-v02.api.letsencrypt.org/directory",
+        _url,
+        "the ACME CA's directory for that certificate",
+    ),
+    Setting("acme_email", "SERVICE_ACME_EMAIL", "", "", _text, "contact for the ACME account"),
+    Setting(
+        "acme_ca_file",
+        "SERVICE_ACME_CA_FILE",
+        "",
+        "",
+        _text,
+        "a CA file to trust for the ACME directory's own HTTPS (a test CA)",
+    ),
     Setting("client_url", "SERVICE_CLIENT_URL", "", "", _url, "links.connect.hosted base"),
     Setting("test_client_url", "SERVICE_TEST_CLIENT_URL", "", "", _url, "links.connect.testHosted"),
     Setting("agent_provider", "SERVICE_AGENT_PROVIDER", "", "local", _text, "agent provider"),
@@ -622,6 +727,68 @@ SETTINGS = (
         "relay role: idle connections kept per client address (the oldest closed first)",
     ),
     Setting(
+        "relay_tls",
+        "SERVICE_RELAY_TLS",
+        "",
+        "off",
+        _choice("off", "passthrough"),
+        "relay role: passthrough: splice <serverId>.<domain> to its server by SNI, TLS ending "
+        "there (needs SERVICE_RELAY_DOMAIN)",
+    ),
+    Setting(
+        "relay_tls_port",
+        "SERVICE_RELAY_TLS_PORT",
+        "",
+        "443",
+        _port,
+        "relay role: the TLS port of passthrough (may be the HTTP port: told apart by the "
+        "first byte)",
+    ),
+    Setting(
+        "relay_tls_cert",
+        "SERVICE_RELAY_TLS_CERT",
+        "",
+        "",
+        _text,
+        "relay role: the relay's own certificate (PEM chain) for <domain>, and *.<domain> to "
+        "terminate servers not in passthrough",
+    ),
+    Setting("relay_tls_key", "SERVICE_RELAY_TLS_KEY", "", "", _text, "relay role: its private key"),
+    Setting(
+        "relay_dns_port",
+        "SERVICE_RELAY_DNS_PORT",
+        "",
+        "53",
+        _port,
+        "relay role: the port of its DNS for <domain> (UDP and TCP), with passthrough",
+    ),
+    Setting(
+        "relay_dns_addresses",
+        "SERVICE_RELAY_DNS_ADDRESSES",
+        "",
+        "",
+        _addresses,
+        "relay role: the A/AAAA answers for <domain> and *.<domain> (default: SERVICE_HOST "
+        "when it is one address, else this machine's default-route address)",
+    ),
+    Setting(
+        "relay_dns_update",
+        "SERVICE_RELAY_DNS_UPDATE",
+        "",
+        "",
+        _host_port,
+        "relay role: host:port of a DNS server to set challenge records in by RFC 2136 "
+        "updates, instead of answering DNS itself",
+    ),
+    Setting(
+        "relay_dns_tsig_secret",
+        "SERVICE_RELAY_DNS_TSIG",
+        "",
+        "",
+        _tsig,
+        "relay role: the TSIG key of those updates, <key name>:<base64 HMAC-SHA256 secret>",
+    ),
+    Setting(
         "pairing_ttl",
         "SERVICE_PAIRING_TTL",
         "",
@@ -655,6 +822,18 @@ SETTINGS = (
     ),
     Setting("transcribe_model", "SERVICE_TRANSCRIBE_MODEL", "", "whisper-1", _text, "model"),
     Setting("transcribe_api_key", "SERVICE_TRANSCRIBE_API_KEY", "", "", _text, "transcription key"),
+    Setting(
+        "attachment_text",
+        "SERVICE_ATTACHMENT_TEXT",
+        "",
+        "auto",
+        _attachment_text,
+        "read the text inside PDFs and images for search (auto: when pdftotext or tesseract is"
+        " installed; off)",
+    ),
+    Setting(
+        "ocr_langs", "SERVICE_OCR_LANGS", "", "eng", _ocr_langs, "tesseract languages (deu+eng)"
+    ),
     Setting(
         "timezone",
         "SERVICE_TIMEZONE",
@@ -760,6 +939,10 @@ class Config:
     setup_window: int
     pairing: str
     relay_url: str
+    relay_passthrough: str
+    acme_directory: str
+    acme_email: str
+    acme_ca_file: str
     client_url: str
     test_client_url: str
     agent_provider: str
@@ -791,12 +974,22 @@ class Config:
     relay_registrations_per_minute: int
     relay_domain: str
     relay_max_idle_per_address: int
+    relay_tls: str
+    relay_tls_port: int
+    relay_tls_cert: str
+    relay_tls_key: str
+    relay_dns_port: int
+    relay_dns_addresses: tuple
+    relay_dns_update: str
+    relay_dns_tsig_secret: str
     pairing_ttl: int
     device_idle_days: int
     max_attachment_bytes: int
     transcribe_url: str
     transcribe_model: str
     transcribe_api_key: str
+    attachment_text: str
+    ocr_langs: str
     timezone: str
     max_import_bytes: int
     max_import_expanded_bytes: int
@@ -843,6 +1036,10 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
             f"{values['threads']} SERVICE_THREADS to other requests; use at most "
             f"{values['threads'] - 1}"
         )
+    if values["relay_tls"] == "passthrough" and not values["relay_domain"]:
+        raise ConfigError("SERVICE_RELAY_TLS: passthrough needs SERVICE_RELAY_DOMAIN")
+    if values["relay_dns_update"] and not values["relay_dns_tsig_secret"]:
+        raise ConfigError("SERVICE_RELAY_DNS_TSIG: SERVICE_RELAY_DNS_UPDATE is set: give its key")
     values["root"] = values["root"].resolve()
     return Config(**values)
 
@@ -2258,6 +2455,17 @@ def _segment(tail: int, in_url: bool = False) -> str:
         f"(?:{ascii_first}{ascii_ch}{{0,{254 - tail}}}"
         f"|{any_first}{any_ch}{{0,{62 - (tail + 3) // 4}}})"
     )
+
+
+# One folder name (a person's name is their home's): not blank, not hidden, at most 64
+# characters and 255 UTF-8 bytes, none of what no segment holds.
+FOLDER_NAME_SCHEMA = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 64,
+    "pattern": f"^(?:{_ASCII_FIRST.replace('[ ', '[', 1)}{_ASCII_CH}{{0,63}}"
+    f"|[^.{BLANK_CLASS}{_SEG_NOT}]{_ANY_CH}{{0,62}})$",
+}
 
 
 NOTE_PATH_SCHEMA = {
@@ -5740,6 +5948,7 @@ class AttachmentStore(FileTree):
         self.trash = trash
         self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
+        self.listeners: list = []  # fn(path) after a file is placed (the attachment reader)
         self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()  # NoteStore's
 
     def make_root(self) -> None:
@@ -5886,7 +6095,10 @@ class AttachmentStore(FileTree):
                 fsync_dir(target.parent)
                 if target.parent != self.root:
                     fsync_dir(self.root)
-                return self.record(path, os.stat(target)), not exists
+                rec = self.record(path, os.stat(target))
+            for listener in self.listeners:
+                listener(path)
+            return rec, not exists
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -11814,12 +12026,46 @@ def find_notes(
     if mode and mode not in MODES:
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
+    reader = getattr(svc, "reader", None)
+    in_files = []
+    if reader is not None and mode != "semantic":
+        in_files = reader.find(query, folder, snippets=offset + limit)
+    if in_files and query.excludes:  # a note whose own words the query excludes stays out
+        out = svc.index.excluded(query.excludes, [n for n, _, _ in in_files])
+        in_files = [hit for hit in in_files if hit[0] not in out]
+    page = (offset + limit, 0) if in_files else (limit, offset)
     if mode != "keyword" and embedder is not None and not _lexical_only(query):
         vector = embedder.query_vector(_embedding_text(query))
         if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector, reach)
-    total, hits = svc.index.search(query, folder, limit, offset, reach=reach)
-    return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
+            found = _by_meaning(svc, query, folder, page, mode, vector, reach)
+            return _with_files(svc, found, in_files, limit, offset)
+    total, hits = svc.index.search(query, folder, *page, reach=reach)
+    found = {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
+    return _with_files(svc, found, in_files, limit, offset)
+
+
+def _with_files(svc: Service, found: dict, in_files: list, limit: int, offset: int) -> dict:
+    """Return the answer with the notes found through the text of files they link: a note
+    found by its own words too keeps its own snippet and adds the file's score; one found
+    only in a file gets the file's snippet (`scan.pdf, p. 3: ...`). `found` holds the first
+    offset + limit results when in_files has any (the page is cut here)."""
+    if not in_files:
+        return found
+    results = {p: [t, s, sn] for p, t, s, sn in found["results"]}
+    fresh = [n for n, _, _ in in_files if n not in results]
+    titles = svc.index.titles(fresh)
+    for note, score, snippet in in_files:
+        if note in results:
+            results[note][1] = round(results[note][1] + score, 4)
+        elif note in titles:  # (a note the index does not hold is not answered)
+            results[note] = [titles[note], score, snippet]
+    ranked = sorted(results.items(), key=lambda kv: -kv[1][1])[offset : offset + limit]
+    added = sum(1 for n in fresh if n in titles)
+    return {
+        **found,
+        "total": found["total"] + added,
+        "results": [(p, t, s, sn) for p, (t, s, sn) in ranked],
+    }
 
 
 def _by_meaning(
@@ -12432,6 +12678,17 @@ def reach_of(data: dict, grant: dict | None) -> Reach:
         return EVERYTHING
     base = person_reach(data, grant["person"]) if grant.get("person") else EVERYTHING
     return base.narrowed(grant.get("folder") or "", grant["scope"])
+
+
+def file_joins_note(data: dict, note: str, file: str) -> bool:
+    """Return whether a file's text may join a note's search entry: when every principal
+    that reaches the note (the owner, each person, each grant of the state `data`) reaches
+    the file too. Otherwise the link stays, but the file is not read for that note."""
+    reaches = [person_reach(data, p["id"]) for p in data.get("people", [])]
+    for grant in data.get("grants", []):
+        if isinstance(grant, dict) and grant.get("scope") in SCOPE_RANK:
+            reaches.append(reach_of(data, grant))
+    return all(r.sees(file) for r in reaches if r.sees(note))
 
 
 def principal_of(data: dict, grant: dict) -> Principal:
@@ -13956,7 +14213,8 @@ class PeopleStore:
         it (`inherited: true`), each with the person's name and who shared."""
         data = self.state.read()
         out = []
-        for at, entries in sorted(data.get("members", {}).items()):
+        shares = data.get("members", {}).items()
+        for at, entries in sorted(shares, key=lambda s: (s[0] != folder, s[0])):  # own first
             if not inside(folder, at):
                 continue
             for m in entries:
@@ -13984,7 +14242,7 @@ class PeopleStore:
 
         The owner shares any folder; a person a folder inside their home (403 elsewhere).
         Each member is a person other than the one sharing and other than the folder's own
-        person (whose home holds it): 400 for an unknown id, oneself, a repeat or a bad
+        person (whose home holds it): 404 for an unknown id; 400 for oneself, a repeat or a bad
         scope. Members of the folders above are kept (a deeper share adds, never takes)."""
         if not isinstance(raw, list) or len(raw) > MAX_PEOPLE:
             raise bad_request(f"'members' must be a list of at most {MAX_PEOPLE} people")
@@ -14000,8 +14258,10 @@ class PeopleStore:
             if not isinstance(item, dict):
                 raise bad_request("each member is an object {person, scope}")
             pid, scope = item.get("person"), item.get("scope", "read")
-            if not isinstance(pid, str) or self.get(pid, data) is None:
-                raise bad_request(f"no person {str(pid)[:40]!r} to share with")
+            if not isinstance(pid, str):
+                raise bad_request("a member's 'person' is a person's id")
+            if self.get(pid, data) is None:
+                raise not_found(f"no person {pid[:40]!r} to share with")
             if scope not in SHARE_SCOPES:
                 raise bad_request(f"a member's scope is one of {', '.join(SHARE_SCOPES)}")
             if pid == sharer or (owner_home is not None and pid == owner_home["id"]):
@@ -14310,6 +14570,7 @@ class Service:
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
         self.embedder: Any = None  # Embedder: the notes' vectors, when embeddings are on
+        self.reader: Any = None  # FileTextReader: the text inside PDFs and images
         # ... and made on first use, by the function named (a request of theirs):
         self.task_book: Any = None  # TaskBook: the tasks' UIDs and sync tokens (task_book)
         self.dav: Any = None  # DavState: WebDAV's locks, properties, ETags (dav_state)
@@ -14401,7 +14662,7 @@ class Service:
         self._spawn(lambda: expire_loop(self.notes, self.trash, self._stop), "notesvc-expire")
         if self.config.rescan_seconds:  # its first check runs at once: searches need not wait
             self._spawn(self._rescan_loop, "notesvc-rescan")
-        for component in (self.pollers, self.reminders, self.embedder):
+        for component in (self.pollers, self.reminders, self.embedder, self.reader):
             if component is not None:
                 component.start()
         return self
@@ -14507,7 +14768,7 @@ class Service:
     def close(self) -> None:
         """Stop background work and persist the index (once; a read-only service has none)."""
         self._stop.set()
-        for component in (self.pollers, self.reminders, self.embedder):
+        for component in (self.pollers, self.reminders, self.embedder, self.reader):
             if component is not None:
                 component.close()
         self.journal.close()  # long-polls answer now
@@ -17857,6 +18118,834 @@ def build_embedder(svc: Service) -> Embedder | None:
     return Embedder(svc, EmbedClient(cfg.embed_url, cfg.embed_model, cfg.embed_key))
 
 
+# == src/notesvc/providers/reader.py ==========================================
+# The attachment reader: the text inside PDFs and images (pdftotext, OCR), for search.
+
+# -- limits -----------------------------------------------------------------------------------
+
+PAGE_SECONDS = 60  # a page's tools, together (a hanging tool is killed here)
+MAX_PAGES = 200  # a file's pages read (the rest said, not read)
+MAX_TEXT_BYTES = 10_000_000  # a file's text kept (the rest said, not kept)
+MAX_PIXELS = 40_000_000  # images larger than this (by their header) are skipped and said
+MAX_FILE_BYTES = 1 << 30  # files larger are not read at all
+CHILD_MEMORY = 1 << 30  # RLIMIT_AS of each child
+SCAN_SECONDS = 8.0  # a look for new files (uploads through the API wake it at once)
+PDF_DPI_LONG_SIDE = 3000  # pdftoppm's image of a page: its longer side, in pixels
+TEXT_LAYER_CHARS = 20  # a page with fewer letters than this has no text layer: OCR it
+READ_EXTENSIONS = {
+    "pdf": "pdf",
+    **dict.fromkeys(("png", "jpg", "jpeg", "gif", "bmp", "tif", "tiff", "webp"), "image"),
+}
+STORE_VERSION = 1
+
+
+# -- what a file is, by its bytes -------------------------------------------------------------
+
+
+def sniff(head: bytes) -> str | None:
+    """Return "pdf", or an image's type ("png", "jpeg", "gif", "bmp", "tiff", "webp") by a
+    file's first bytes; None for anything else (a PDF that isn't one is not read)."""
+    if head.startswith(b"%PDF-"):
+        return "pdf"
+    if head.startswith(b"\x89PNG\r\n\x1a\n"):
+        return "png"
+    if head.startswith(b"\xff\xd8\xff"):
+        return "jpeg"
+    if head[:6] in (b"GIF87a", b"GIF89a"):
+        return "gif"
+    if head[:2] == b"BM":
+        return "bmp"
+    if head[:4] in (b"II*\x00", b"MM\x00*"):
+        return "tiff"
+    if head[:4] == b"RIFF" and head[8:12] == b"WEBP":
+        return "webp"
+    return None
+
+
+def image_size(f: Any, kind: str) -> tuple | None:
+    """Return (width, height) read from an image's header (the file object at 0), None when
+    the header does not say. Never decodes the pixels."""
+    head = f.read(64)
+    try:
+        if kind == "png":
+            return struct.unpack(">II", head[16:24])
+        if kind == "gif":
+            return struct.unpack("<HH", head[6:10])
+        if kind == "bmp":
+            w, h = struct.unpack("<ii", head[18:26])
+            return abs(w), abs(h)
+        if kind == "webp":
+            chunk = head[12:16]
+            if chunk == b"VP8X":
+                w = int.from_bytes(head[24:27], "little") + 1
+                h = int.from_bytes(head[27:30], "little") + 1
+                return w, h
+            if chunk == b"VP8L":
+                bits = int.from_bytes(head[21:25], "little")
+                return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+            if chunk == b"VP8 ":
+                w, h = struct.unpack("<HH", head[26:30])
+                return w & 0x3FFF, h & 0x3FFF
+            return None
+        if kind == "jpeg":
+            return _jpeg_size(f)
+        if kind == "tiff":
+            return _tiff_size(f, head)
+    except (struct.error, OSError, ValueError):
+        return None
+    return None
+
+
+def _jpeg_size(f: Any) -> tuple | None:
+    f.seek(2)
+    for _ in range(1000):  # markers up to the frame header
+        byte = f.read(1)
+        while byte and byte != b"\xff":
+            byte = f.read(1)
+        while byte == b"\xff":
+            byte = f.read(1)
+        if not byte:
+            return None
+        marker = byte[0]
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            continue
+        length = struct.unpack(">H", f.read(2))[0]
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            h, w = struct.unpack(">xHH", f.read(5))
+            return w, h
+        f.seek(length - 2, 1)
+    return None
+
+
+def _tiff_size(f: Any, head: bytes) -> tuple | None:
+    order = "<" if head[:2] == b"II" else ">"
+    f.seek(struct.unpack(order + "I", head[4:8])[0])
+    (count,) = struct.unpack(order + "H", f.read(2))
+    found: dict = {}
+    for _ in range(min(count, 512)):
+        tag, kind, _n, value = struct.unpack(order + "HHI4s", f.read(12))
+        if tag in (256, 257):
+            fmt = order + ("H" if kind == 3 else "I")
+            found[tag] = struct.unpack(fmt, value[: struct.calcsize(fmt)])[0]
+    return (found[256], found[257]) if 256 in found and 257 in found else None
+
+
+# -- the tools, bounded ---------------------------------------------------------------------
+
+
+class Tools:
+    """The programs the reader runs, found on PATH once (None: not installed)."""
+
+    def __init__(self, which: Callable = shutil.which):
+        self.pdftotext = which("pdftotext")
+        self.pdftoppm = which("pdftoppm")
+        self.pdfinfo = which("pdfinfo")
+        self.tesseract = which("tesseract")
+
+    @property
+    def pdf(self) -> bool:
+        return bool(self.pdftotext and self.pdfinfo)
+
+    @property
+    def ocr(self) -> bool:
+        return bool(self.tesseract)
+
+    @property
+    def pdf_ocr(self) -> bool:
+        return bool(self.pdf and self.pdftoppm and self.tesseract)
+
+
+class ToolFailed(Exception):
+    """A tool ran over its time, or ended with an error (its message says which)."""
+
+
+def _child_limits() -> None:  # pragma: no cover - runs in the child, before exec
+    os.nice(19)
+    try:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (CHILD_MEMORY, CHILD_MEMORY))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
+def child_env() -> dict:
+    """Return the environment of a reader's child: one OpenMP thread, a C locale."""
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TMPDIR", "LANG")}
+    env.update({"OMP_THREAD_LIMIT": "1", "LC_ALL": "C.UTF-8"})
+    return env
+
+
+def run_tool(argv: list, timeout: float, limit: int = MAX_TEXT_BYTES) -> str:
+    """Return what a tool wrote (at most `limit` bytes, as UTF-8 text); ToolFailed when it
+    ran over `timeout` (killed) or failed. An argument list, never a shell: a file named
+    `; rm -rf ~` is a file name."""
+    if timeout <= 0:
+        raise ToolFailed(f"{Path(argv[0]).name}: no time left for this page")
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        try:
+            proc = subprocess.Popen(  # noqa: S603 - the tools found on PATH, a file path
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                env=child_env(),
+                preexec_fn=_child_limits if sys.platform != "win32" else None,
+                close_fds=True,
+            )
+        except OSError as e:
+            raise ToolFailed(f"{Path(argv[0]).name} could not start: {e.strerror}") from None
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            stopped = f"{Path(argv[0]).name} ran over {timeout:.0f} s and was stopped"
+            raise ToolFailed(stopped) from None
+        out.seek(0)
+        data = out.read(limit)
+        if code != 0:
+            err.seek(0)
+            said = " ".join(err.read(300).decode("utf-8", "replace").split())
+            raise ToolFailed(f"{Path(argv[0]).name} failed ({code}): {said}"[:300])
+    return data.decode("utf-8", "replace")
+
+
+def children_cpu() -> float:
+    """Return the CPU seconds of this process's children that have ended."""
+    try:
+        import resource
+
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+    except ImportError:  # pragma: no cover - Windows
+        return 0.0
+
+
+# -- the texts, kept by content hash ------------------------------------------------------------
+
+
+class TextStore:
+    """<state>/filetext/: a JSON-lines file per content hash. Its first line says what the
+    file is ({"v", "kind", "pages"}), then one line a page read ({"p", "text"}), then one
+    that ends it ({"done": true, "note"?}). A line cut short by a crash is left out when
+    read, and reading goes on after the last whole page."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self._cache: collections.OrderedDict = collections.OrderedDict()  # hash -> pages
+        self._lock = threading.Lock()
+
+    def file(self, digest: str) -> Path:
+        return self.folder / f"{digest}.jsonl"
+
+    def load(self, digest: str) -> dict | None:
+        """Return {kind, pages (total), texts {page: text}, done, note} of a hash, None
+        when nothing was kept for it."""
+        try:
+            raw = self.file(digest).read_bytes()
+        except OSError:
+            return None
+        out: dict = {"kind": "", "pages": 0, "texts": {}, "done": False, "note": ""}
+        for line in raw.split(b"\n"):
+            try:
+                item = json.loads(line)
+            except ValueError:
+                continue  # the last line, cut short
+            if not isinstance(item, dict):
+                continue
+            if "kind" in item:
+                out["kind"], out["pages"] = str(item["kind"]), int(item.get("pages") or 0)
+            elif "p" in item and isinstance(item.get("text"), str):
+                out["texts"][int(item["p"])] = item["text"]
+            elif item.get("done"):
+                out["done"], out["note"] = True, str(item.get("note") or "")
+        return out
+
+    def append(self, digest: str, item: dict) -> None:
+        """Add a line (flushed and synced: a page once read is never read again)."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        line = json.dumps(item, ensure_ascii=False).encode() + b"\n"
+        with open(self.file(digest), "ab") as f:
+            if f.tell():  # a line cut short by a crash: begin on a line of its own
+                with open(self.file(digest), "rb") as r:
+                    r.seek(-1, os.SEEK_END)
+                    if r.read(1) != b"\n":
+                        f.write(b"\n")
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        with self._lock:
+            self._cache.pop(digest, None)
+
+    def page(self, digest: str, page: int) -> str | None:
+        """Return one page's text (the file's texts kept for the next few asks)."""
+        with self._lock:
+            texts = self._cache.get(digest)
+            if texts is not None:
+                self._cache.move_to_end(digest)
+        if texts is None:
+            kept = self.load(digest)
+            texts = kept["texts"] if kept else {}
+            with self._lock:
+                self._cache[digest] = texts
+                while len(self._cache) > 16:
+                    self._cache.popitem(last=False)
+        return texts.get(page)
+
+    def digests(self) -> set:
+        try:
+            return {p.stem for p in self.folder.glob("*.jsonl")}
+        except OSError:
+            return set()
+
+    def drop(self, digest: str) -> None:
+        with contextlib.suppress(OSError):
+            self.file(digest).unlink()
+        with self._lock:
+            self._cache.pop(digest, None)
+
+
+class FileTextIndex(SearchIndex):
+    """The search index of the files' texts: a document per page, `<attachment>#<page>`,
+    in memory (built from the store at start), its texts read back from the store."""
+
+    def __init__(self, texts: TextStore, digest_of: Callable):
+        super().__init__()
+        self.texts = texts
+        self.digest_of = digest_of  # attachment path -> its content hash (or None)
+
+    def _read(self, path: str, limit: int = -1) -> str | None:
+        file, _, page = path.rpartition("#")
+        digest = self.digest_of(file)
+        if digest is None or not page.isdigit():
+            return None
+        return self.texts.page(digest, int(page))
+
+
+def file_label(path: str, page: int, kind: str) -> str:
+    """Return how a snippet names where it was found: `scan.pdf, p. 3`, `board.jpg`."""
+    name = path.rsplit("/", 1)[-1]
+    return f"{name}, p. {page}" if kind == "pdf" else name
+
+
+# -- the reader -----------------------------------------------------------------------------
+
+
+class FileTextReader:
+    """The background reader and the index of what it read (svc.reader)."""
+
+    FILE_TEXT_WEIGHT = 0.8  # a note's own words rank above the same words in a file it links
+    PAGE_SECONDS = PAGE_SECONDS
+    MAX_PAGES = MAX_PAGES
+    MAX_PIXELS = MAX_PIXELS
+    SCAN_SECONDS = SCAN_SECONDS
+
+    def __init__(self, svc: Service, tools: Tools | None = None):
+        self.svc = svc
+        cfg = svc.config
+        self.tools = tools or Tools()
+        self.langs = cfg.ocr_langs
+        self.mode = cfg.attachment_text
+        self.folder = cfg.state_dir / "filetext"
+        self.store = TextStore(self.folder)
+        self.files_file = self.folder / "files.json"
+        self.files: dict = {}  # attachment path -> [size, mtime_ns, digest]
+        self.kinds: dict = {}  # digest -> "pdf" / "image"
+        self.index = FileTextIndex(self.store, self._digest_of)
+        self.indexed: dict = {}  # attachment path -> (digest, pages indexed)
+        self.queue: collections.deque = collections.deque()
+        self.linkers: Callable | None = None  # files -> {file: linking notes} (build_service)
+        self.current = ""
+        self.counts = {"read": 0, "skipped": 0, "failed": 0, "pages": 0}
+        self.notes: dict = {}  # digest -> what was said of it (skipped, cut short, failed)
+        self.said: collections.deque = collections.deque(maxlen=20)  # the latest, for info
+        self.last_read = ""  # when the last file was done
+        self._lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._scanned = 0.0
+        self._dirty = False
+        self._open: set = set()  # hashes begun and not done: read on at the next page
+        self.generation = 0  # bumps whenever the texts searched change
+        self.files_generation = 0  # bumps whenever the files known (their paths) change
+
+    # -- on, off, and why ---------------------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off" and (self.tools.pdf or self.tools.ocr)
+
+    def off_reason(self) -> str:
+        if self.mode == "off":
+            return "SERVICE_ATTACHMENT_TEXT is off"
+        if not (self.tools.pdf or self.tools.ocr):
+            return (
+                "neither pdftotext nor tesseract is installed (Debian: sudo apt install "
+                "poppler-utils tesseract-ocr)"
+            )
+        return ""
+
+    def info(self) -> dict:
+        """What /system/info says: on or off (and why), the tools, how far it got."""
+        with self._lock:
+            known = len(self.files)
+            waiting = len(self.queue) + (1 if self.current else 0)
+            answer = {
+                "enabled": self.enabled,
+                "reason": self.off_reason() or None,
+                "tools": {
+                    "pdftotext": bool(self.tools.pdf),
+                    "ocr": bool(self.tools.ocr),
+                    "pdfOcr": bool(self.tools.pdf_ocr),
+                },
+                "languages": self.langs,
+                "files": known,
+                "read": sum(1 for v in self.files.values() if self._done(v[2])),
+                "waiting": waiting,
+                "reading": self.current or None,
+                "skipped": self.counts["skipped"],
+                "failed": self.counts["failed"],
+                "pages": self.counts["pages"],
+                "lastRead": self.last_read or None,
+                "said": list(self.said),
+            }
+        return answer
+
+    def _done(self, digest: str) -> bool:
+        return digest in self.kinds and digest not in self._open
+
+    # -- start, stop ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self.enabled or self._thread is not None or self.svc.readonly:
+            if self.mode != "off" and not self.enabled:
+                log.info("text inside files is off: %s", self.off_reason())
+            return
+        self._load()
+        self.svc.attachments.listeners.append(self.uploaded)
+        self._thread = threading.Thread(target=self._run, name="notesvc-reader", daemon=True)
+        self._thread.start()
+        have = {"pdftotext": self.tools.pdf, "tesseract": self.tools.ocr}
+        log.info(
+            "text inside files: on (%s); not installed: %s",
+            ", ".join(n for n, ok in have.items() if ok),
+            ", ".join(n for n, ok in have.items() if not ok) or "nothing",
+        )
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(self.PAGE_SECONDS + 5)
+            self._thread = None
+        self._save_files()
+
+    def uploaded(self, path: str) -> None:
+        """A file was placed under attachments/ (the store's listener): look at once."""
+        if path.rpartition(".")[2].lower() in READ_EXTENSIONS:
+            self._scanned = 0.0
+            self._wake.set()
+
+    # -- the files and their hashes ---------------------------------------------------------
+
+    def _digest_of(self, path: str) -> str | None:
+        entry = self.files.get(path)
+        return entry[2] if entry else None
+
+    def _load(self) -> None:
+        """Take what the last run kept: the files' hashes, and each hash's texts."""
+        try:
+            kept = json.loads(self.files_file.read_text())
+            self.files = {p: list(v) for p, v in kept.get("files", {}).items() if len(v) == 3}
+            self.files_generation += 1
+        except (OSError, ValueError, AttributeError):
+            self.files = {}
+        for digest in self.store.digests():
+            state = self.store.load(digest)
+            if state is None or not state["kind"]:
+                continue
+            self.kinds[digest] = state["kind"]
+            if not state["done"]:
+                self._open.add(digest)
+            elif state["note"]:
+                self.notes[digest] = state["note"]
+        for path, (_, _, digest) in list(self.files.items()):
+            self._index_file(path, digest)
+
+    def _save_files(self) -> None:
+        if not self._dirty:
+            return
+        self._dirty = False
+        with self._lock:
+            data = json.dumps({"v": STORE_VERSION, "files": self.files}).encode()
+        with contextlib.suppress(OSError):
+            self.folder.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.files_file, data)
+
+    def scan(self) -> None:
+        """Look at the attachments: new or changed files are hashed and queued (unless
+        their text is kept already); gone ones leave the index."""
+        root = self.svc.attachments.base / ATTACHMENTS
+        present: dict = {}
+        if root.is_dir():
+            for path, entry in walk_entries(str(root), ATTACHMENTS, _readable_name):
+                with contextlib.suppress(OSError):
+                    st = entry.stat()
+                    present[path] = (st.st_size, st.st_mtime_ns)
+        fresh = []
+        with self._lock:
+            for path in [p for p in self.files if p not in present]:
+                del self.files[path]
+                self.files_generation += 1
+                self._unindex(path)
+                self._dirty = True
+        for path, (size, mtime) in sorted(present.items(), key=lambda kv: kv[1][1]):
+            if self._stop.is_set():
+                return
+            known = self.files.get(path)
+            if known and known[0] == size and known[1] == mtime:
+                digest = known[2]
+                if digest in self._open and digest not in self.queue and digest != self.current:
+                    fresh.append((path, digest))
+                continue
+            if size > MAX_FILE_BYTES or size == 0:
+                continue
+            digest = self._hash(path)
+            if digest is None:
+                continue
+            with self._lock:
+                if path not in self.files:
+                    self.files_generation += 1
+                self.files[path] = [size, mtime, digest]
+                self._dirty = True
+            if digest in self.kinds and digest not in self._open:
+                self._index_file(path, digest)
+            else:
+                fresh.append((path, digest))
+        with self._lock:
+            queued = {d for _, d in self.queue}
+            for path, digest in fresh:
+                if digest not in queued:
+                    self.queue.append((path, digest))
+                    queued.add(digest)
+        self._save_files()
+        self._collect()
+
+    def _hash(self, path: str) -> str | None:
+        h = hashlib.sha256()
+        try:
+            with open(self.svc.attachments.base / path, "rb") as f:
+                while chunk := f.read(1 << 20):
+                    h.update(chunk)
+        except OSError:
+            return None
+        return h.hexdigest()
+
+    def _collect(self) -> None:
+        """Drop kept texts no file has any longer (a re-upload would read it again)."""
+        with self._lock:
+            used = {v[2] for v in self.files.values()} | {d for _, d in self.queue}
+            if self.current:
+                used.add(self.files.get(self.current, [0, 0, ""])[2])
+        for digest in self.store.digests() - used:
+            self.store.drop(digest)
+            self.kinds.pop(digest, None)
+            self._open.discard(digest)
+
+    # -- the index of the texts ---------------------------------------------------------------
+
+    def _index_file(self, path: str, digest: str) -> None:
+        state = self.store.load(digest)
+        if state is None:
+            return
+        with self._lock:
+            self._unindex(path)
+            for page, text in state["texts"].items():
+                if text.strip():
+                    self.index.add(f"{path}#{page}", text, len(text), 0)
+            self.indexed[path] = (digest, sorted(state["texts"]))
+            self.generation += 1
+
+    def _unindex(self, path: str) -> None:
+        with self._lock:
+            was = self.indexed.pop(path, None)
+            if was:
+                for page in was[1]:
+                    self.index.remove(f"{path}#{page}")
+                self.generation += 1
+
+    def _add_page(self, path: str, digest: str, page: int, text: str) -> None:
+        with self._lock:
+            for other, (d, pages) in list(self.indexed.items()):
+                if d == digest and self.files.get(other, [0, 0, ""])[2] == digest:
+                    if text.strip():
+                        self.index.add(f"{other}#{page}", text, len(text), 0)
+                    pages.append(page)
+            if path not in self.indexed:
+                self.indexed[path] = (digest, [page])
+                if text.strip():
+                    self.index.add(f"{path}#{page}", text, len(text), 0)
+            self.generation += 1
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                if time.monotonic() - self._scanned >= self.SCAN_SECONDS:
+                    self.scan()
+                    self._scanned = time.monotonic()
+                with self._lock:
+                    item = self.queue.popleft() if self.queue else None
+                if item is None:
+                    self._wake.wait(self.SCAN_SECONDS)
+                    self._wake.clear()
+                    continue
+                self._read_file(*item)
+            except Exception:  # one file's trouble never stops the reader
+                log.exception("text inside files: reading failed")
+                self._stop.wait(5)
+
+    def _rest(self, cpu_before: float, wall_before: float) -> None:
+        """Rest as long as the children worked: the reader takes half a core at most."""
+        worked = children_cpu() - cpu_before
+        elapsed = time.monotonic() - wall_before
+        self._stop.wait(max(0.0, worked * 2 - elapsed) + 0.01)
+
+    def _read_file(self, path: str, digest: str) -> None:
+        full = self.svc.attachments.base / path
+        with self._lock:
+            if self.files.get(path, [0, 0, ""])[2] != digest:
+                return  # changed or gone meanwhile: the next scan has it
+            self.current = path
+        try:
+            kept = self.store.load(digest)
+            if kept is None or not kept["kind"]:
+                kind = self._start(full, digest)
+                if kind is None:
+                    return
+                kept = self.store.load(digest) or {"kind": kind, "texts": {}, "pages": 1}
+            if kept.get("done"):
+                self._index_file(path, digest)
+                return
+            self._open.add(digest)
+            self.kinds[digest] = kept["kind"]
+            if kept["kind"] == "pdf":
+                self._read_pdf(path, full, digest, kept)
+            else:
+                self._read_image(path, full, digest)
+        finally:
+            with self._lock:
+                self.current = ""
+                self.last_read = iso(time.time())
+
+    def _finish(self, digest: str, note: str = "") -> None:
+        self.store.append(digest, {"done": True, "note": note} if note else {"done": True})
+        self._open.discard(digest)
+        if note:
+            self.notes[digest] = note
+            self.said.append(note)
+            log.info("text inside files: %s", note)
+
+    def _start(self, full: Path, digest: str) -> str | None:
+        """Check a new file's bytes and write its first line; None when it is not read
+        (its reason kept, so it is not tried again)."""
+        try:
+            with open(full, "rb") as f:
+                kind = sniff(f.read(16))
+                f.seek(0)
+                size = image_size(f, kind) if kind and kind != "pdf" else None
+        except OSError:
+            return None
+        name = full.name
+        ext = READ_EXTENSIONS.get(name.rpartition(".")[2].lower())
+        self.kinds[digest] = "pdf" if kind == "pdf" else "image"
+        if kind is None or (ext == "pdf") != (kind == "pdf"):
+            self.store.append(digest, {"v": STORE_VERSION, "kind": ext or "image", "pages": 0})
+            self._skip(digest, f"{name} is not a {'PDF' if ext == 'pdf' else 'image'} by its bytes")
+            return None
+        if kind == "pdf":
+            if not self.tools.pdf:
+                self.store.append(digest, {"v": STORE_VERSION, "kind": "pdf", "pages": 0})
+                self._skip(digest, f"{name}: pdftotext is not installed")
+                return None
+            try:
+                pages = self._pdf_pages(full)
+            except ToolFailed as e:
+                self.store.append(digest, {"v": STORE_VERSION, "kind": "pdf", "pages": 0})
+                self._fail(digest, f"{name} could not be read: {e}")
+                return None
+            self.store.append(digest, {"v": STORE_VERSION, "kind": "pdf", "pages": pages})
+            return "pdf"
+        self.store.append(digest, {"v": STORE_VERSION, "kind": "image", "pages": 1})
+        if not self.tools.ocr:
+            self._skip(digest, f"{name}: tesseract is not installed")
+            return None
+        if size is None:
+            self._skip(digest, f"{name}: its header does not say its size")
+            return None
+        if size[0] * size[1] > self.MAX_PIXELS:
+            self._skip(
+                digest,
+                f"{name} was skipped: {size[0]} × {size[1]} pixels is over "
+                f"{self.MAX_PIXELS // 1_000_000} megapixels",
+            )
+            return None
+        return "image"
+
+    def _skip(self, digest: str, why: str) -> None:
+        self.counts["skipped"] += 1
+        self._finish(digest, why)
+
+    def _fail(self, digest: str, why: str) -> None:
+        self.counts["failed"] += 1
+        self._finish(digest, why)
+
+    def _pdf_pages(self, full: Path) -> int:
+        try:  # (a PDF that only forbids copying opens; one that needs a password does not)
+            out = run_tool([self.tools.pdfinfo, str(full)], self.PAGE_SECONDS, 65536)
+        except ToolFailed as e:
+            if "password" in str(e).lower():
+                raise ToolFailed("it is encrypted and needs a password") from None
+            raise
+        m = re.search(r"^Pages:\s+(\d+)", out, re.MULTILINE)
+        if not m:
+            raise ToolFailed("pdfinfo found no pages")
+        return int(m.group(1))
+
+    def _read_pdf(self, path: str, full: Path, digest: str, kept: dict) -> None:
+        total = kept["pages"]
+        texts = kept["texts"]
+        size = sum(len(t.encode()) for t in texts.values())
+        last = min(total, self.MAX_PAGES)
+        start = max(texts) + 1 if texts else 1
+        for page in range(start, last + 1):
+            if self._stop.is_set():
+                return  # closing: the next start goes on from here
+            with self._lock:
+                if self.files.get(path, [0, 0, ""])[2] != digest:
+                    return
+            cpu, wall = children_cpu(), time.monotonic()
+            deadline = wall + self.PAGE_SECONDS
+            try:
+                text = self._pdf_page(full, page, deadline)
+            except ToolFailed as e:
+                if texts or page > 1:
+                    self._fail(digest, f"{full.name}, p. {page}: {e}; the pages before it are kept")
+                else:
+                    self._fail(digest, f"{full.name} could not be read: {e}")
+                self._rest(cpu, wall)
+                return
+            text = text[: max(0, MAX_TEXT_BYTES - size)]
+            size += len(text.encode())
+            self.store.append(digest, {"p": page, "text": text})
+            texts[page] = text
+            self.counts["pages"] += 1
+            self._add_page(path, digest, page, text)
+            self._rest(cpu, wall)
+            if size >= MAX_TEXT_BYTES:
+                self._finish(
+                    digest, f"{full.name}: text kept up to p. {page} ({MAX_TEXT_BYTES} bytes)"
+                )
+                self.counts["read"] += 1
+                return
+        note = ""
+        if total > self.MAX_PAGES:
+            note = f"{full.name}: the first {self.MAX_PAGES} of {total} pages were read"
+        self._finish(digest, note)
+        self.counts["read"] += 1
+
+    def _pdf_page(self, full: Path, page: int, deadline: float) -> str:
+        n = str(page)
+        text = run_tool(
+            [self.tools.pdftotext, "-f", n, "-l", n, "-enc", "UTF-8", "-q", str(full), "-"],
+            deadline - time.monotonic(),
+        )
+        if sum(ch.isalnum() for ch in text[:2000]) >= TEXT_LAYER_CHARS or not self.tools.pdf_ocr:
+            return text
+        with tempfile.TemporaryDirectory(prefix="notesvc-ocr-") as tmp:
+            prefix = os.path.join(tmp, "page")
+            argv = [self.tools.pdftoppm, "-f", n, "-l", n, "-gray", "-png", "-r", "300"]
+            argv += ["-scale-to", str(PDF_DPI_LONG_SIDE), str(full), prefix]
+            run_tool(argv, deadline - time.monotonic(), 1024)
+            images = sorted(Path(tmp).glob("page*.png"))
+            if not images:
+                return text
+            return self._ocr(images[0], deadline)
+
+    def _ocr(self, image: Path, deadline: float) -> str:
+        argv = [self.tools.tesseract, str(image), "-", "-l", self.langs, "--psm", "3"]
+        return run_tool(argv, deadline - time.monotonic())
+
+    def _read_image(self, path: str, full: Path, digest: str) -> None:
+        cpu, wall = children_cpu(), time.monotonic()
+        try:
+            text = self._ocr(full, wall + self.PAGE_SECONDS)
+        except ToolFailed as e:
+            self._fail(digest, f"{full.name} could not be read: {e}")
+            self._rest(cpu, wall)
+            return
+        text = text[:MAX_TEXT_BYTES]
+        self.store.append(digest, {"p": 1, "text": text})
+        self.counts["pages"] += 1
+        self._add_page(path, digest, 1, text)
+        self._finish(digest)
+        self.counts["read"] += 1
+        self._rest(cpu, wall)
+
+    # -- search ---------------------------------------------------------------------------------
+
+    def has_text(self) -> bool:
+        return bool(self.indexed)
+
+    def find(self, query: Query, folder: str | tuple, limit: int = 200, snippets: int = 20) -> list:
+        """Return [(note, score, snippet)] best first: the notes (within `folder`) that link
+        a file whose text holds the query, each once with its best page, when every
+        principal reaching the note reaches the file too (grants.file_joins_note). Only the
+        first `snippets` get their snippet (`scan.pdf, p. 3: ...`; the others the file's
+        name and page): no note after them can reach a page of results (each one before
+        it scores more), and a snippet reads the page's text back from the store."""
+        if not self.indexed or self.linkers is None or not query.clauses:
+            return []
+        _, hits = self.index.search(query, "", limit, 0, snippets=False)
+        if not hits:
+            return []
+        files = collections.OrderedDict()  # file -> (score, page), best first
+        for doc, _title, score, _ in hits:
+            file, _, page = doc.rpartition("#")
+            if file not in files:
+                files[file] = (score, int(page))
+        linked = self.linkers(set(files))
+        data = self.svc.state.read()
+        prefixes = folder_prefixes(folder)
+        best: dict = {}
+        for file, (score, page) in files.items():
+            for note in linked.get(file, ()):
+                if prefixes and not note.startswith(prefixes):
+                    continue
+                if not file_joins_note(data, note, file):
+                    continue
+                weighted = round(score * self.FILE_TEXT_WEIGHT, 4)
+                if note not in best or best[note][0] < weighted:
+                    best[note] = (weighted, file, page)
+        ranked = sorted(best.items(), key=lambda kv: (-kv[1][0], kv[0]))
+        shown = {f"{file}#{page}" for _, (_, file, page) in ranked[:snippets]}
+        texts = self.index.snippets(query, sorted(shown)) if shown else {}
+        out = []
+        for note, (score, file, page) in ranked:
+            kind = self.kinds.get(self._digest_of(file) or "", "pdf")
+            label = file_label(file, page, kind)
+            snippet = texts.get(f"{file}#{page}")
+            out.append((note, score, f"{label}: {snippet}" if snippet else label))
+        return out
+
+
+def _readable_name(name: str) -> bool:
+    return name.rpartition(".")[2].lower() in READ_EXTENSIONS and "." in name[1:]
+
+
 # == src/notesvc/plugins.py ===================================================
 # The Plugin record, loading, links and the built-in plugins.
 
@@ -17971,6 +19060,8 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
     svc.embedder = build_embedder(svc)
+    svc.reader = FileTextReader(svc)  # the text inside PDFs and images, for search
+    svc.reader.linkers = lambda files: file_linkers(svc, files)
     return svc
 
 
@@ -18289,12 +19380,9 @@ def move_and_relink(
     return rec
 
 
-def attachment_linkers(svc: Service, path: str) -> set:
-    """Return the notes that link to an attachment (Markdown links, images, ![[embeds]]).
-
-    Each note's links that may name an attachment are kept as written (derived_per_note:
-    after a save, one note is read again, not all of them) and resolved at every look,
-    against the attachments there are now."""
+def attachment_refs(svc: Service) -> dict:
+    """Return {note: (wikilink targets, Markdown targets)} of the notes' links that may name
+    an attachment, as written (derived_per_note: after a save, one note is read again)."""
 
     def take(text: str) -> tuple | None:
         if "[[" not in text and "](" not in text:
@@ -18304,9 +19392,34 @@ def attachment_linkers(svc: Service, path: str) -> set:
         targets = tuple(t for t in targets if not t.rstrip(">").casefold().endswith(".md"))
         return (wikis, targets) if wikis or targets else None
 
-    refs = derived_per_note(svc, "attachment links", take, lambda _paths, refs: refs)
+    return derived_per_note(svc, "attachment links", take, lambda _paths, refs: refs)
+
+
+def attachment_linkers(svc: Service, path: str) -> set:
+    """Return the notes that link to an attachment (Markdown links, images, ![[embeds]]),
+    resolved at every look against the attachments there are now."""
+    refs = attachment_refs(svc)
     resolver = LinkResolver(svc.index.paths(), [*svc.attachments.paths(), path])
     return {source for source, written in refs.items() if path in resolver.resolve(written, source)}
+
+
+def file_linkers(svc: Service, files: set) -> dict:
+    """Return {file: the notes linking it} for some of the files the attachment reader
+    knows (their names resolved among those files: the reader's, every PDF and image);
+    the whole map is kept until the notes or the reader's files change."""
+    reader = svc.reader
+    key = (svc.index.generation, reader.files_generation)  # (not the pages read meanwhile)
+    kept = svc.plugin_cache.get("file linkers")
+    if kept is None or kept[0] != key:
+        refs = attachment_refs(svc)
+        resolver = LinkResolver((), list(reader.files))
+        found: dict = {}
+        for source, written in refs.items():
+            for target in resolver.resolve(written, source):
+                found.setdefault(target, set()).add(source)
+        kept = (key, found)
+        svc.plugin_cache["file linkers"] = kept
+    return {f: kept[1].get(f, set()) for f in files}
 
 
 # -- built-in plugins -----------------------------------------------------------------------
@@ -18835,6 +19948,641 @@ def tool_fetch(svc: Service, id: str) -> dict:
         "url": note_url(svc, rec["path"]),
         "metadata": {k: rec[k] for k in ("etag", "modified", "size")},
     }
+
+
+# == src/notesvc/webclip.py ===================================================
+# Clips: a web page as a Markdown note (the standard library's parser), images attached.
+
+# -- HTML to Markdown ------------------------------------------------------------------------
+
+MAX_CLIP_HTML_BYTES = 5 << 20  # the page's HTML (the contract's "Capture limits")
+MAX_CLIP_IMAGE_BYTES = 10_000_000  # each image (and at most SERVICE_MAX_ATTACHMENT_BYTES)
+MAX_CLIP_IMAGES = 200
+MAX_NESTING = 64  # deeper lists and quotes are drawn at this depth (10,000 nested elements)
+
+# Elements whose whole content goes: what runs, what styles, what asks for input, what
+# draws (an SVG can hold scripts), what another document fills.
+DROPPED = frozenset(
+    {
+        "script",
+        "style",
+        "noscript",
+        "template",
+        "iframe",
+        "frame",
+        "frameset",
+        "object",
+        "embed",
+        "applet",
+        "form",
+        "button",
+        "select",
+        "textarea",
+        "input",
+        "svg",
+        "math",
+        "canvas",
+        "audio",
+        "video",
+        "map",
+        "dialog",
+        "head",
+        "title",
+        "nav",
+        "aside",
+    }
+)
+# Dropped outside the article (a site's banner and footer), kept inside it.
+OUTSIDE_ARTICLE = frozenset({"header", "footer"})
+VOID = frozenset(
+    {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param"}
+    | {"source", "track", "wbr"}
+)
+BLOCKS = frozenset(
+    {"p", "div", "section", "article", "main", "header", "footer", "figure", "figcaption"}
+    | {"address", "details", "summary", "center", "dl", "dt", "dd", "body", "html"}
+    | {"h1", "h2", "h3", "h4", "h5", "h6", "ul", "ol", "li", "blockquote", "pre", "table"}
+    | {"thead", "tbody", "tfoot", "tr", "caption", "hr"}
+)
+INLINE_MARKS = {"strong": "**", "b": "**", "em": "_", "i": "_", "del": "~~", "s": "~~"}
+LINK_SCHEMES = ("http", "https", "mailto")
+_ESCAPE_RE = re.compile(r"([\\`*_\[\]<>|])")
+BREAK = "\x00"  # a <br> in a paragraph's text until it is written (NULs are read out first)
+_LEAD_RE = re.compile(r"^(?:([#>+=-])|(\d+)([.)])(?=\s))", re.MULTILINE)
+
+
+@functools.lru_cache(maxsize=4096)
+def safe_url(raw: str, base: str, schemes: tuple = LINK_SCHEMES) -> str:
+    """Return raw made absolute against base, or "" when it is not one of `schemes`
+    (javascript:, data:, vbscript:, file:... never survive, however they are written)."""
+    raw = "".join(ch for ch in (raw or "") if ch >= " " and ch != "\x7f").strip()
+    if not raw or len(raw) > 4096:
+        return ""
+    try:
+        url = urllib.parse.urljoin(base, raw) if base else raw
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return ""
+    if parts.scheme.lower() not in schemes:
+        return ""
+    if parts.scheme.lower() != "mailto" and not parts.netloc:
+        return ""
+    return url.replace(" ", "%20").replace("(", "%28").replace(")", "%29")
+
+
+def escape_text(text: str) -> str:
+    """Return text with Markdown's own characters escaped (it reads as the page did)."""
+    return _ESCAPE_RE.sub(r"\\\1", text) if _ESCAPE_RE.search(text) else text
+
+
+class _Frame:
+    """One open block the Markdown depends on: its finished child blocks and the inline
+    text it is gathering."""
+
+    __slots__ = ("blocks", "data", "inline", "tag")
+
+    def __init__(self, tag: str, data: Any = None):
+        self.tag = tag
+        self.blocks: list = []  # finished Markdown blocks inside it ("li" items as tuples)
+        self.inline: list = []  # text (and open inline marks) of the paragraph being read
+        self.data = data  # an <ol>'s next number, a table's or a row's cells, a link's href
+
+
+# The page read as tags and text by regular expressions (C loops): html.parser's own
+# tokenizer took 180 ms for 1 MB of dense markup before any Markdown was written. The
+# content of a raw-text element (a script, a style) is skipped to its end tag, as browsers do.
+_HTML_TAG_RE = re.compile(
+    r"<(/?)([A-Za-z][A-Za-z0-9:-]*)((?:[^>\"']|\"[^\"]*\"|'[^']*')*)>"
+    r"|<!--.*?(?:-->|\Z)|<!\[CDATA\[.*?(?:\]\]>|\Z)|<![^>]*>|<\?[^>]*>",
+    re.DOTALL,
+)
+RAW_TEXT = frozenset(
+    {"script", "style", "textarea", "title", "xmp", "noscript", "template", "iframe"}
+    | {"noembed", "noframes", "plaintext"}
+)
+_HTML_ATTR_RE = re.compile(r"""([^\s=/>"']+)(?:\s*=\s*("[^"]*"|'[^']*'|[^\s>]+))?""")
+_WANTED_ATTRS = frozenset({"a", "img", "ol"})
+
+
+def _html_attrs(raw: str) -> list:
+    """Return [(name, value)] of a tag's attributes, names lowercased, values unescaped."""
+    out = []
+    for m in _HTML_ATTR_RE.finditer(raw):
+        value = m.group(2)
+        if value is not None:
+            if value[:1] in "\"'":
+                value = value[1:-1]
+            value = html.unescape(value)
+        out.append((m.group(1).lower(), value))
+    return out
+
+
+class _Converter:
+    """HTML events to Markdown blocks on an explicit stack: no recursion, and no walk of
+    the stack per event, so 10,000 nested elements cost what 10,000 siblings do."""
+
+    def __init__(self, base: str, images: dict):
+        self.base = base
+        self.images = images  # an image's src as the page had it -> its local link
+        self.stack: list = [_Frame("#root")]
+        self.open_tags: list = []  # every open element's tag, for end tags out of order
+        self.open_count: dict = {}  # tag -> how many are open
+        self.dropping = 0  # > 0: inside a dropped element (its depth in open_tags)
+        self.nesting = 0  # open lists and quotes (their Markdown prefixes)
+        self.pre = 0  # open <pre>
+        self.code = 0  # open inline <code>
+        self.rows: list = []  # open <tr> frames
+        self.tables: list = []  # open <table> frames
+        self.articles = 0  # open <article>/<main>
+        self.article_blocks: list = []  # the outermost article's blocks
+        self.remote_images = 0
+        self.title = ""
+
+    # -- reading the page ----------------------------------------------------------------
+
+    def feed(self, page: str) -> None:
+        """Read a page: tags and the text between them, in order (a raw-text element's
+        content skipped whole, the title kept)."""
+        page = page.replace("\x00", "")
+        data, starttag, endtag = self.handle_data, self.handle_starttag, self.handle_endtag
+        unescape = html.unescape
+        at, end = 0, len(page)
+        search = _HTML_TAG_RE.search
+        while at < end:
+            m = search(page, at)
+            if m is None:
+                break
+            if m.start() > at and not self.dropping:
+                text = page[at : m.start()]
+                data(unescape(text) if "&" in text else text)
+            at = m.end()
+            slash, name, raw = m.groups()
+            if name is None:
+                continue  # a comment, a doctype, a processing instruction
+            tag = name.lower()
+            if slash:
+                endtag(tag)
+                continue
+            if tag in RAW_TEXT:
+                close = re.compile(r"</" + tag + r"\s*>", re.IGNORECASE).search(page, at)
+                stop = close.start() if close else end
+                if tag == "title" and not self.title:
+                    self.title = unescape(page[at:stop])
+                at = close.end() if close else end
+                continue  # dropped whole (DROPPED holds them all)
+            if raw:
+                wanted = tag in _WANTED_ATTRS or "hidden" in raw
+                starttag(tag, _html_attrs(raw) if wanted else ())
+                if raw.endswith("/") and tag not in VOID:
+                    endtag(tag)
+            else:
+                starttag(tag, ())
+        if end > at:
+            text = page[at:end]
+            data(unescape(text) if "&" in text else text)
+
+    # -- the parser's events -------------------------------------------------------------
+
+    def handle_starttag(self, tag: str, attrs: Any) -> None:
+        if tag in VOID:
+            if not self.dropping:
+                self._void(tag, dict(attrs))
+            return
+        self.open_tags.append(tag)
+        self.open_count[tag] = self.open_count.get(tag, 0) + 1
+        if self.dropping:
+            return
+        attrs_d = dict(attrs) if attrs else {}
+        hidden = attrs_d and (attrs_d.get("hidden", 0) != 0 or attrs_d.get("aria-hidden") == "true")
+        if tag in DROPPED or (tag in OUTSIDE_ARTICLE and not self.articles) or hidden:
+            self.dropping = len(self.open_tags)
+            return
+        if tag in BLOCKS or tag in ("td", "th"):
+            self._open_block(tag, attrs_d)
+        elif tag == "a":
+            self.stack[-1].inline.append(
+                _Frame("a", safe_url(attrs_d.get("href") or "", self.base))
+            )
+        elif tag in INLINE_MARKS:
+            self.stack[-1].inline.append(_Frame(tag))
+        elif tag == "code" and not self.pre:
+            self.code += 1
+            self.stack[-1].inline.append(_Frame("code"))
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in VOID or not self.open_count.get(tag):
+            return
+        while self.open_tags:  # what was left open inside it closes with it
+            top = self.open_tags.pop()
+            self.open_count[top] -= 1
+            if self.dropping:
+                if len(self.open_tags) + 1 == self.dropping:
+                    self.dropping = 0
+            else:
+                self._close(top)
+            if top == tag:
+                break
+
+    def handle_data(self, data: str) -> None:
+        if self.dropping or not data:
+            return
+        if self.pre or self.code:
+            self.stack[-1].inline.append(data.replace("\u00a0", " "))
+        else:
+            self.stack[-1].inline.append(escape_text(data))
+
+    # -- blocks --------------------------------------------------------------------------
+
+    def _open_block(self, tag: str, attrs: dict) -> None:
+        self._end_paragraph()
+        frame = _Frame(tag)
+        if tag == "ol":
+            start = attrs.get("start") or "1"
+            frame.data = int(start) if start.isdigit() and len(start) < 9 else 1
+        elif tag == "table":
+            frame.data = []  # its rows
+            self.tables.append(frame)
+        elif tag == "tr":
+            frame.data = []  # its cells
+            self.rows.append(frame)
+        elif tag == "pre":
+            self.pre += 1
+        elif tag in ("ul", "ol", "blockquote"):
+            self.nesting += 1
+        elif tag in ("article", "main"):
+            self.articles += 1
+        self.stack.append(frame)
+
+    def _close(self, tag: str) -> None:
+        if tag in INLINE_MARKS or tag in ("a", "code"):
+            if tag == "code" and self.code:
+                self.code -= 1
+            self._close_inline(tag)
+        elif (tag in BLOCKS or tag in ("td", "th")) and self.stack[-1].tag == tag:
+            self._finish(self.stack.pop())
+
+    def _end_paragraph(self) -> None:
+        text = self._inline_text(self.stack[-1])
+        if text:
+            self.stack[-1].blocks.append(text)
+
+    def _finish(self, frame: _Frame) -> None:
+        """Turn a closed block into Markdown and hand it to the block around it."""
+        tag = frame.tag
+        parent = self.stack[-1]
+        if tag == "pre":
+            self.pre -= 1
+            text = "".join(x for x in frame.inline if isinstance(x, str)).strip("\n")
+            fence = "~~~" if "```" in text else "```"
+            if text:
+                parent.blocks.append(f"{fence}\n{text}\n{fence}")
+            return
+        text = self._inline_text(frame)
+        body = [b[1] if isinstance(b, tuple) else b for b in frame.blocks] + (
+            [text] if text else []
+        )
+        if tag in ("ul", "ol", "blockquote"):
+            self.nesting -= 1
+        if tag in ("td", "th"):
+            cell = " ".join(" ".join(body).split())
+            if self.rows:
+                self.rows[-1].data.append(cell)
+            elif cell:
+                parent.inline.append(" " + cell + " ")
+        elif tag == "tr":
+            self.rows.pop()
+            if self.tables and frame.data:
+                self.tables[-1].data.append(frame.data)
+        elif tag == "table":
+            self.tables.pop()
+            self._table(parent, frame.data, body)
+        elif tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
+            line = " ".join(" ".join(body).split())
+            if line:
+                parent.blocks.append("#" * int(tag[1]) + " " + line)
+        elif tag == "hr":
+            parent.blocks.append("---")
+        elif tag == "li" and self.nesting <= MAX_NESTING and body:
+            marker = "- "
+            if parent.tag == "ol" and isinstance(parent.data, int):
+                marker = f"{parent.data}. "
+                parent.data += 1
+            lines = "\n".join(body).split("\n")
+            pad = " " * len(marker)
+            rest = "".join("\n" + (pad + ln if ln else ln) for ln in lines[1:])
+            parent.blocks.append(("li", marker + lines[0] + rest))
+        elif tag in ("ul", "ol") and body:
+            items = [b[1] if isinstance(b, tuple) else b for b in frame.blocks]
+            parent.blocks.append("\n".join(items + ([text] if text else [])))
+        elif tag == "blockquote" and self.nesting < MAX_NESTING and body:
+            inner = "\n\n".join(body)
+            parent.blocks.append("\n".join("> " + ln if ln else ">" for ln in inner.split("\n")))
+        else:
+            parent.blocks.extend(body)
+        if tag in ("article", "main"):
+            self.articles -= 1
+            if not self.articles:
+                self.article_blocks.extend(body)
+
+    def _table(self, parent: _Frame, rows: list, other: list) -> None:
+        cells = [r for r in rows if any(r)]
+        if not cells:
+            parent.blocks.extend(other)
+            return
+        width = max(len(r) for r in cells)
+        lines = []
+        for i, row in enumerate(cells):
+            row = row + [""] * (width - len(row))
+            lines.append("| " + " | ".join(c or " " for c in row) + " |")
+            if i == 0:
+                lines.append("|" + " --- |" * width)
+        parent.blocks.append("\n".join(lines))
+
+    # -- inline --------------------------------------------------------------------------
+
+    def _close_inline(self, tag: str) -> None:
+        inline = self.stack[-1].inline
+        for i in range(len(inline) - 1, max(-1, len(inline) - 2000), -1):
+            item = inline[i]
+            if isinstance(item, _Frame) and item.tag == tag:
+                inner = "".join(x for x in inline[i + 1 :] if isinstance(x, str))
+                del inline[i:]
+                inline.append(self._wrap(item, inner))
+                return
+
+    @staticmethod
+    def _wrap(frame: _Frame, inner: str) -> str:
+        text = inner.strip()
+        if not text:
+            return inner
+        lead = " " if inner[:1].isspace() else ""
+        trail = " " if inner[-1:].isspace() else ""
+        if frame.tag == "a":
+            return f"{lead}[{text}]({frame.data}){trail}" if frame.data else inner
+        if frame.tag == "code":
+            tick = "``" if "`" in text else "`"
+            return f"{lead}{tick}{text}{tick}{trail}"
+        mark = INLINE_MARKS[frame.tag]
+        return f"{lead}{mark}{text}{mark}{trail}"
+
+    def _void(self, tag: str, attrs: dict) -> None:
+        if tag == "br":
+            self.stack[-1].inline.append("\n" if self.pre else BREAK)
+        elif tag == "hr":
+            self._end_paragraph()
+            self.stack[-1].blocks.append("---")
+        elif tag == "img":
+            self._image(attrs)
+
+    def _image(self, attrs: dict) -> None:
+        src = (attrs.get("src") or "").strip()
+        alt = escape_text(" ".join((attrs.get("alt") or "").split()))[:200]
+        local = self.images.get(src)
+        if local:
+            self.stack[-1].inline.append(f"![{alt}]({local})")
+            return
+        url = safe_url(src, self.base, ("http", "https"))
+        if url:  # never fetched by the server: a link to where it is, said to be remote
+            self.remote_images += 1
+            self.stack[-1].inline.append(f"![{alt or 'image'} (remote)]({url})")
+
+    @staticmethod
+    def _inline_text(frame: _Frame) -> str:
+        text = "".join(x for x in frame.inline if isinstance(x, str))
+        frame.inline = []
+        lines = (" ".join(ln.split()) for ln in text.split(BREAK))
+        text = "  \n".join(ln for ln in lines if ln).strip()
+        # a line of the page's text must not read as a heading, a quote or a list item
+        return _LEAD_RE.sub(_lead_escaped, text) if _LEAD_RE.search(text) else text
+
+    def markdown(self) -> str:
+        """Return the Markdown of everything read: the article's own when the page had an
+        <article> or <main> with some text, else the whole page's."""
+        while self.open_tags:  # what was never closed
+            self.handle_endtag(self.open_tags[0])
+        self._end_paragraph()
+        article = "\n\n".join(self.article_blocks)
+        if len(article) >= 200:
+            return article
+        return "\n\n".join(b[1] if isinstance(b, tuple) else b for b in self.stack[0].blocks)
+
+
+def _lead_escaped(m: re.Match) -> str:
+    return "\\" + m.group(1) if m.group(1) else m.group(2) + "\\" + m.group(3)
+
+
+def html_to_markdown(page: str, base: str = "", images: dict | None = None) -> tuple:
+    """Return (Markdown, title, remote images) of an HTML page or fragment.
+
+    base: the page's URL (links made absolute against it, never against a <base> of the
+    page's own); images: {src as in the page: the local link to put instead}.
+    """
+    conv = _Converter(base, images or {})
+    conv.feed(page)
+    md = re.sub(r"\n{3,}", "\n\n", conv.markdown()).strip()
+    title = " ".join(conv.title.split())
+    return md, title, conv.remote_images
+
+
+# -- images -------------------------------------------------------------------------------
+
+# The first bytes of the image types a clip may carry (never SVG: it can hold scripts).
+IMAGE_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "png"),
+    (b"\xff\xd8\xff", "jpg"),
+    (b"GIF87a", "gif"),
+    (b"GIF89a", "gif"),
+)
+
+
+def image_extension(data: bytes) -> str | None:
+    """Return the extension an image's bytes say it is (png, jpg, gif, webp, avif, bmp),
+    None for anything else (an image that isn't one)."""
+    for magic, ext in IMAGE_MAGIC:
+        if data.startswith(magic):
+            return ext
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if data[4:8] == b"ftyp" and data[8:12] in (b"avif", b"avis"):
+        return "avif"
+    if data[:2] == b"BM" and len(data) > 26:
+        return "bmp"
+    return None
+
+
+def _image_stem(src: str) -> str:
+    name = urllib.parse.unquote(urllib.parse.urlsplit(src).path.rsplit("/", 1)[-1])
+    stem = name.rpartition(".")[0] or name
+    stem = re.sub(r"[^\w-]+", "-", unicodedata.normalize("NFC", stem)).strip("-_")
+    return stem[:60] or "image"
+
+
+# -- saving a clip -----------------------------------------------------------------------------
+
+CLIP_FIELDS = ("url", "title", "html", "selection", "images", "folder", "new")
+
+
+def clip_sources(svc: Service) -> dict:
+    """Return {note path: its `source:` URL} of the notes that are clips (front matter with
+    `source:` and `clipped:`), kept until the index changes (one note read after a save)."""
+
+    def take(text: str) -> str | None:
+        if not text.startswith("---") or "\nclipped:" not in text[:4096]:
+            return None
+        head = text[:4096].split("\n---", 1)[0]
+        m = re.search(r"^source:[ \t]*(.+?)[ \t]*$", head, re.MULTILINE)
+        if not m:
+            return None
+        value = m.group(1)
+        if value.startswith('"'):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                return None
+        return value if isinstance(value, str) else None
+
+    return derived_per_note(svc, "clip sources", take, lambda _paths, taken: taken)
+
+
+def clip_note_of(svc: Service, url: str, principal: Principal) -> str | None:
+    """Return the note already clipped from url that the principal may write (the
+    newest path first by name), None when there is none it may write."""
+    found = sorted(p for p, src in clip_sources(svc).items() if src == url)
+    for path in found:
+        if (principal.whole or principal.may_write(path)) and svc.notes.exists(path):
+            return path
+    return None
+
+
+def clip_folder(svc: Service, principal: Principal, raw: Any) -> str:
+    """Return the folder a new clip goes to: the one asked for (writable), else the inbox
+    (a person's <home>/inbox, a folder grant's folder, the owner's notes/inbox)."""
+    if raw is None:
+        if principal.person and not principal.folder:
+            raw = f"{principal.home}/inbox"
+        else:
+            raw = principal.home or f"{NOTES}/inbox"
+    return writable_folder(svc, raw, principal)
+
+
+def front_matter_value(text: str) -> str:
+    """Return a value as YAML reads it back: plain when it is safe so, else quoted."""
+    if re.fullmatch(r"[A-Za-z0-9][!-~]*", text) and ": " not in text and " #" not in text:
+        return text
+    return json.dumps(text, ensure_ascii=False)
+
+
+def decode_image(item: Any, i: int, limit: int) -> tuple:
+    """Return (src, bytes, extension) of a clip's image {src, data (base64), type}; 400
+    for one that isn't an image, 413 for one over the limit."""
+    if not isinstance(item, dict):
+        raise bad_request(f"'images[{i}]' must be an object {{src, data, type}}")
+    src = field(item, "src", max_len=8192)
+    data = field(item, "data")
+    if len(data) > (limit * 4) // 3 + 8:
+        raise ApiError(
+            413, "PAYLOAD_TOO_LARGE", f"'images[{i}]' is over {limit} bytes (each image)"
+        )
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise bad_request(f"'images[{i}].data' is not base64") from None
+    if len(raw) > limit:
+        raise ApiError(
+            413, "PAYLOAD_TOO_LARGE", f"'images[{i}]' is over {limit} bytes (each image)"
+        )
+    ext = image_extension(raw)
+    if ext is None:
+        raise bad_request(
+            f"'images[{i}]' is not an image (PNG, JPEG, GIF, WebP, AVIF or BMP by its bytes)"
+        )
+    return src, raw, ext
+
+
+def save_clip(svc: Service, principal: Principal, body: dict) -> tuple:
+    """Write a clip; return ({path, url, updated, images, remoteImages}, created)."""
+    unknown = sorted(set(body) - set(CLIP_FIELDS))
+    if unknown:
+        raise bad_request(f"unknown field(s) {', '.join(unknown)}: send {', '.join(CLIP_FIELDS)}")
+    url = safe_url(field(body, "url", max_len=4096), "", ("http", "https"))
+    if not url:
+        raise bad_request("'url' must be the page's http(s) address")
+    page = field(body, "html", required=False) or ""
+    selection = field(body, "selection", required=False)
+    if not page and not selection:
+        raise bad_request("'html' (the page) or 'selection' is required")
+    for name, text in (("html", page), ("selection", selection or "")):
+        if len(text) > MAX_CLIP_HTML_BYTES or len(text.encode("utf-8", "surrogatepass")) > (
+            MAX_CLIP_HTML_BYTES
+        ):
+            raise ApiError(
+                413, "PAYLOAD_TOO_LARGE", f"'{name}' is over {MAX_CLIP_HTML_BYTES} bytes"
+            )
+    title = field(body, "title", required=False, max_len=1000)
+    images = body.get("images") or []
+    if not isinstance(images, list):
+        raise bad_request("'images' must be an array of {src, data, type} or {src, path}")
+    if len(images) > MAX_CLIP_IMAGES:
+        raise bad_request(f"'images' holds more than {MAX_CLIP_IMAGES} images")
+    new = bool(field(body, "new", bool, required=False))
+    limit = min(MAX_CLIP_IMAGE_BYTES, svc.config.max_attachment_bytes)
+    decoded, uploaded = [], {}
+    for i, item in enumerate(images):
+        if isinstance(item, dict) and item.get("path") is not None and "data" not in item:
+            src = field(item, "src", max_len=8192)
+            path = visible_attachment(svc.attachments, field(item, "path"), principal)
+            svc.attachments.get(path)  # 404 when it is not there
+            uploaded[src] = path
+            continue
+        decoded.append(decode_image(item, i, limit))
+    existing = None if new else clip_note_of(svc, url, principal)
+    if existing is not None:
+        folder = existing.rsplit("/", 1)[0]
+    else:
+        folder = clip_folder(svc, principal, field(body, "folder", required=False))
+    now = time.time()
+    local = local_time(now, time_zone(svc.config.timezone))
+    image_dir = f"{attachments_twin(folder)}/{local:%Y-%m-%d}"
+    note_dir = folder
+    links, stored = {}, 0
+    source = selection if selection else page
+    for src, raw, ext in decoded:
+        if src in links or src not in source:
+            continue  # sent twice, or not in what is clipped: not kept
+        path = attachment_path(f"{image_dir}/{_image_stem(src)}.{ext}")
+        if not (principal.whole or principal.may_write(path)):
+            raise ApiError(403, "FORBIDDEN", f"this key may not write files at {path}")
+
+        def write(f, data=raw) -> None:
+            f.write(data)
+
+        rec, _ = svc.attachments.place(svc.attachments.spool(write), path, unique=True)
+        links[src] = urllib.parse.quote(posixpath.relpath(rec["path"], note_dir), safe="/")
+        stored += 1
+    for src, path in uploaded.items():
+        links[src] = urllib.parse.quote(posixpath.relpath(path, note_dir), safe="/")
+    md, page_title, remote = html_to_markdown(source, url, links)
+    title = " ".join((title or page_title or url).split())[:300]
+    head = (
+        f"---\nsource: {front_matter_value(url)}\nclipped: {iso(now)}\n---\n\n"
+        f"# {escape_text(title)}\n\n"
+    )
+    content = head + (md or f"[{escape_text(title)}]({url})") + "\n"
+    if existing is not None:
+        rec = svc.notes.update(existing, content, None)
+        created = False
+    else:
+        rec = svc.notes.create_named(folder, title_filename(f"# {title}"), content)
+        created = True
+    answer = {
+        "path": rec["path"],
+        "url": url,
+        "etag": rec["etag"],
+        "updated": not created,
+        "images": stored + len(uploaded),
+        "remoteImages": remote,
+    }
+    return answer, created
 
 
 # == src/notesvc/transfer/plan.py =============================================
@@ -21247,6 +22995,2375 @@ def _zip_chunks(zipfile, out, root, principal, progress, still):
     yield out.take()
 
 
+# == src/notesvc/passthrough/wire.py ==========================================
+# What passthrough reads on the wire: ClientHellos' SNI, PROXY headers, certificate names.
+
+# -- ClientHello -----------------------------------------------------------------------
+#
+# A TLS record: type (22: handshake), version (3, x), length (1..16384), then the
+# fragment; a handshake message may span many records (RFC 8446 5.1), so the fragments
+# are joined until the ClientHello's own length is there. Nothing else is accepted before
+# it: no SNI, several names, an IP literal or a name no DNS could hold close the
+# connection (RFC 6066 3: a host name, never an address).
+
+TLS_HANDSHAKE = 22
+MAX_HELLO_BYTES = 16384  # a ClientHello larger than this (post-quantum key shares: ~1.8 KB)
+MAX_HELLO_RAW = 65536  # bytes read for one, records' headers included (1-byte fragments)
+_SNI_LABEL_RE = re.compile(r"^[a-z0-9_](?:[a-z0-9_-]{0,61}[a-z0-9_])?\Z")
+
+
+class HelloError(ValueError):
+    """What a ClientHello lacks or holds that the relay will not splice: its words."""
+
+
+def client_hello_sni(data: bytes) -> tuple | None:
+    """Return (bytes of the records that hold the whole ClientHello, the server name it
+    asks for, lower case) once `data` holds it; None while more bytes are needed.
+
+    Raises HelloError for anything else: another record type, a malformed or oversized
+    message, no server name, several, an IP literal or a name that is not a host name.
+    """
+    handshake = bytearray()
+    at = 0
+    while True:
+        if len(data) - at < 5:
+            if len(data) >= MAX_HELLO_RAW:
+                raise HelloError("the ClientHello is spread over too many bytes")
+            return None
+        kind, major, minor, length = struct.unpack_from("!BBBH", data, at)
+        if kind != TLS_HANDSHAKE:
+            raise HelloError("not a TLS handshake record")
+        if major != 3 or minor > 4 or not 0 < length <= 16384:
+            raise HelloError("a malformed TLS record")
+        if len(data) - at - 5 < length:
+            if at + 5 + length > MAX_HELLO_RAW:
+                raise HelloError("the ClientHello is spread over too many bytes")
+            return None
+        handshake += data[at + 5 : at + 5 + length]
+        at += 5 + length
+        if len(handshake) >= 4:
+            if handshake[0] != 1:
+                raise HelloError("the first handshake message is not a ClientHello")
+            size = int.from_bytes(handshake[1:4], "big")
+            if size > MAX_HELLO_BYTES:
+                raise HelloError(f"the ClientHello is over {MAX_HELLO_BYTES} bytes")
+            if len(handshake) >= 4 + size:
+                return at, _hello_server_name(bytes(handshake[4 : 4 + size]))
+
+
+def _hello_server_name(body: bytes) -> str:
+    """Return the one host name a ClientHello's body asks for (see client_hello_sni)."""
+    try:
+        at = 2 + 32  # legacy_version, random
+        at += 1 + body[at]  # legacy_session_id
+        suites = int.from_bytes(body[at : at + 2], "big")
+        if suites < 2 or suites % 2:
+            raise HelloError("a ClientHello without cipher suites")
+        at += 2 + suites
+        at += 1 + body[at]  # legacy_compression_methods
+    except IndexError:
+        raise HelloError("a truncated ClientHello") from None
+    if at > len(body):
+        raise HelloError("a truncated ClientHello")
+    if at == len(body):
+        raise HelloError("no server name (SNI): the relay splices by name")
+    total = int.from_bytes(body[at : at + 2], "big")
+    at += 2
+    if at + total != len(body):
+        raise HelloError("the ClientHello's extensions do not fill it")
+    names, seen = [], set()
+    while at < len(body):
+        if at + 4 > len(body):
+            raise HelloError("a truncated extension")
+        kind, size = struct.unpack_from("!HH", body, at)
+        at += 4
+        if at + size > len(body):
+            raise HelloError("a truncated extension")
+        if kind in seen:
+            raise HelloError("an extension given twice")
+        seen.add(kind)
+        if kind == 0:
+            names = _sni_names(body[at : at + size])
+        at += size
+    if not names:
+        raise HelloError("no server name (SNI): the relay splices by name")
+    if len(names) > 1:
+        raise HelloError("several server names in one ClientHello")
+    return host_name_of(names[0])
+
+
+def _sni_names(ext: bytes) -> list:
+    """Return the host_name entries of a server_name extension (RFC 6066 3)."""
+    if len(ext) < 2 or int.from_bytes(ext[:2], "big") != len(ext) - 2:
+        raise HelloError("a malformed server_name extension")
+    names, at = [], 2
+    while at < len(ext):
+        if at + 3 > len(ext):
+            raise HelloError("a malformed server_name extension")
+        kind, size = ext[at], int.from_bytes(ext[at + 1 : at + 3], "big")
+        at += 3
+        if at + size > len(ext) or size == 0:
+            raise HelloError("a malformed server_name extension")
+        if kind == 0:
+            names.append(ext[at : at + size])
+        at += size
+    return names
+
+
+def host_name_of(raw: bytes) -> str:
+    """Return a server name as the relay compares it (lower case, no final dot).
+
+    Raises HelloError for an IP literal, or a name that is not ASCII letters, digits,
+    hyphens and underscores in labels of 1-63 within 253 bytes.
+    """
+    if len(raw) > 254:
+        raise HelloError("the server name is over 253 bytes")
+    try:
+        name = raw.decode("ascii").lower()
+    except UnicodeDecodeError:
+        raise HelloError("the server name is not ASCII") from None
+    name = name[:-1] if name.endswith(".") else name
+    try:
+        ipaddress.ip_address(name.strip("[]"))
+    except ValueError:
+        pass
+    else:
+        raise HelloError("the server name is an IP literal")
+    if not name or len(name) > 253 or not all(_SNI_LABEL_RE.match(p) for p in name.split(".")):
+        raise HelloError("the server name is not a host name")
+    return name
+
+
+# -- PROXY protocol ----------------------------------------------------------------------
+#
+# Version 2 (binary) is what the relay writes before a client's bytes on a data
+# connection: the client's address and port, and the address it connected to. The relay
+# reads version 1 or 2 from a proxy SERVICE_TRUST_PROXY names (nginx's `proxy_protocol
+# on` writes version 1).
+
+PROXY_V2_SIGNATURE = b"\r\n\r\n\x00\r\nQUIT\n"
+PROXY_V1_MAX = 107  # "PROXY TCP6 <39> <39> 65535 65535\r\n"
+
+
+def proxy_v2_header(client: tuple, local: tuple) -> bytes:
+    """Return a PROXY v2 header (command PROXY, stream) for a client's (address, port) that
+    connected to `local` (address, port); IPv4 in IPv6 when one of the two is IPv6."""
+    src, dst = ipaddress.ip_address(client[0]), ipaddress.ip_address(local[0])
+    if src.version == dst.version == 4:
+        family, body = 0x11, src.packed + dst.packed
+    else:
+        six = [a if a.version == 6 else ipaddress.IPv6Address(f"::ffff:{a}") for a in (src, dst)]
+        family, body = 0x21, six[0].packed + six[1].packed
+    body += struct.pack("!HH", int(client[1]), int(local[1]))
+    return PROXY_V2_SIGNATURE + struct.pack("!BBH", 0x21, family, len(body)) + body
+
+
+def parse_proxy_header(data: bytes) -> tuple | None:
+    """Return (its length in bytes, the client's (address, port) or None for LOCAL and
+    UNKNOWN) of a PROXY v1 or v2 header at the start of `data`; None while more is needed.
+
+    Raises ValueError for anything that is not such a header.
+    """
+    if data[:1] == b"\r":
+        if len(data) < 16:
+            if not PROXY_V2_SIGNATURE.startswith(data[:12]):
+                raise ValueError("not a PROXY header")
+            return None
+        if data[:12] != PROXY_V2_SIGNATURE or data[12] >> 4 != 2:
+            raise ValueError("not a PROXY v2 header")
+        command, family, size = data[12] & 0xF, data[13], int.from_bytes(data[14:16], "big")
+        if len(data) < 16 + size:
+            return None
+        body = data[16 : 16 + size]
+        if command == 0:  # LOCAL: the proxy's own connection (a health check)
+            return 16 + size, None
+        if command != 1:
+            raise ValueError("an unknown PROXY v2 command")
+        if family == 0x11 and size >= 12:
+            port = int.from_bytes(body[8:10], "big")
+            return 16 + size, (str(ipaddress.IPv4Address(body[:4])), port)
+        if family == 0x21 and size >= 36:
+            ip = ipaddress.IPv6Address(body[:16])
+            text = str(ip.ipv4_mapped) if ip.ipv4_mapped else str(ip)
+            return 16 + size, (text, int.from_bytes(body[32:34], "big"))
+        if family == 0:
+            return 16 + size, None
+        raise ValueError("a PROXY v2 header of an unknown family")
+    if not b"PROXY ".startswith(data[:6]):
+        raise ValueError("not a PROXY header")
+    end = data.find(b"\r\n", 0, PROXY_V1_MAX)
+    if end < 0:
+        if len(data) >= PROXY_V1_MAX:
+            raise ValueError("a PROXY v1 header over 107 bytes")
+        return None
+    words = data[:end].decode("ascii", "replace").split(" ")
+    if words[1:2] == ["UNKNOWN"]:
+        return end + 2, None
+    if len(words) != 6 or words[1] not in ("TCP4", "TCP6"):
+        raise ValueError("a malformed PROXY v1 header")
+    ip = ipaddress.ip_address(words[2])
+    if (ip.version == 4) != (words[1] == "TCP4") or not words[4].isdigit():
+        raise ValueError("a malformed PROXY v1 header")
+    return end + 2, (str(ip), int(words[4]))
+
+
+def socket_address(sock: socket.socket, peer: bool) -> tuple:
+    """Return (address, port) of a socket's peer or own end ("0.0.0.0", 0 if unknown),
+    IPv4-mapped IPv6 unwrapped."""
+    try:
+        addr = sock.getpeername() if peer else sock.getsockname()
+    except OSError:
+        return "0.0.0.0", 0
+    if not isinstance(addr, tuple):  # a Unix socket
+        return "0.0.0.0", 0
+    host = addr[0]
+    if host.startswith("::ffff:") and "." in host:
+        host = host[7:]
+    return host, addr[1]
+
+
+# -- certificate names ------------------------------------------------------------------
+#
+# The relay's own certificate for D may cover *.D as well: it then terminates <id>.D for
+# a server that is not in passthrough mode (its per-server origin) instead of closing it.
+# The DNS names come from the subjectAltName extension, read from the DER with the
+# standard library (no cryptography package on a relay).
+
+_SAN_OID = bytes.fromhex("0603551d11")  # OBJECT IDENTIFIER 2.5.29.17
+
+
+def _der(data: bytes, at: int) -> tuple:
+    """Return (tag, start of its contents, end) of the DER element at `at`."""
+    tag, size = data[at], data[at + 1]
+    at += 2
+    if size & 0x80:
+        count = size & 0x7F
+        size = int.from_bytes(data[at : at + count], "big")
+        at += count
+    if at + size > len(data):
+        raise ValueError("a truncated DER element")
+    return tag, at, at + size
+
+
+def _der_children(data: bytes, start: int, end: int) -> list:
+    children = []
+    while start < end:
+        tag, body, stop = _der(data, start)
+        children.append((tag, body, stop, start))
+        start = stop
+    return children
+
+
+def certificate_names(pem: str) -> list:
+    """Return the DNS names (subjectAltName) of the first certificate in PEM text; []
+    when there is none or it cannot be read."""
+    return certificate_facts(pem).get("names", [])
+
+
+_CN_OID = bytes.fromhex("0603550403")  # 2.5.4.3 commonName
+_ORG_OID = bytes.fromhex("060355040a")  # 2.5.4.10 organizationName
+
+
+def _der_time(der: bytes, tag: int, start: int, end: int) -> float:
+    """Return a UTCTime (tag 23) or GeneralizedTime (24) as seconds since the epoch."""
+    text = der[start:end].decode("ascii").rstrip("Z")
+    if tag == 23:
+        text = ("19" if int(text[:2]) >= 50 else "20") + text
+    moment = dt.datetime.strptime(text[:14], "%Y%m%d%H%M%S")
+    return moment.replace(tzinfo=dt.timezone.utc).timestamp()
+
+
+def certificate_facts(pem: str) -> dict:
+    """Return {names, notBefore, notAfter, issuer} of the first certificate in PEM text
+    (times as seconds since the epoch, the issuer's CN or O); {} when there is none or it
+    cannot be read. Standard library only: a relay, and `audit`, read certificates
+    without the cryptography package."""
+    m = re.search(r"-----BEGIN CERTIFICATE-----(.+?)-----END CERTIFICATE-----", pem, re.S)
+    if not m:
+        return {}
+    try:
+        der = base64.b64decode("".join(m.group(1).split()))
+        _tag, body, _end = _der(der, 0)
+        _tag, tbs, tbs_end = _der(der, body)
+        parts = _der_children(der, tbs, tbs_end)
+        if parts[0][0] == 0xA0:  # [0] version: the fields after it move up one
+            parts = parts[1:]
+        facts: dict = {"names": [], "issuer": _der_name_text(der, parts[2])}
+        times = _der_children(der, parts[3][1], parts[3][2])
+        facts["notBefore"] = _der_time(der, *times[0][:3])
+        facts["notAfter"] = _der_time(der, *times[1][:3])
+        for tag, inner, _stop, _ in parts:
+            if tag != 0xA3:  # [3] extensions
+                continue
+            _tag, exts, exts_end = _der(der, inner)
+            for _t, ext, ext_end, _s in _der_children(der, exts, exts_end):
+                fields = _der_children(der, ext, ext_end)
+                if der[fields[0][3] : fields[0][2]] != _SAN_OID:
+                    continue
+                _tag, value, _e = _der(der, fields[-1][3])  # the OCTET STRING's contents
+                _tag, names, names_end = _der(der, value)
+                facts["names"] = [
+                    der[b:e].decode("ascii", "replace").lower()
+                    for t, b, e, _s in _der_children(der, names, names_end)
+                    if t == 0x82  # [2] dNSName
+                ]
+        return facts
+    except (ValueError, IndexError):
+        return {}
+
+
+def _der_name_text(der: bytes, name: tuple) -> str:
+    """Return a Name's commonName, else its organizationName ("" without either)."""
+    found = {}
+    for _t, rdn, rdn_end, _s in _der_children(der, name[1], name[2]):
+        for _t2, pair, pair_end, _s2 in _der_children(der, rdn, rdn_end):
+            oid, value = _der_children(der, pair, pair_end)[:2]
+            found[der[oid[3] : oid[2]]] = der[value[1] : value[2]].decode("utf-8", "replace")
+    return found.get(_CN_OID) or found.get(_ORG_OID) or ""
+
+
+# == src/notesvc/passthrough/dns.py ===========================================
+# The relay's DNS: authoritative for its domain (UDP, TCP), or RFC 2136 updates with TSIG.
+
+# record types and classes (RFC 1035, 3596, 6891, 8945)
+DNS_A, DNS_NS, DNS_SOA, DNS_HINFO, DNS_TXT, DNS_AAAA = 1, 2, 6, 13, 16, 28
+DNS_OPT, DNS_TSIG, DNS_IXFR, DNS_AXFR, DNS_ANY = 41, 250, 251, 252, 255
+DNS_IN, DNS_CLASS_NONE, DNS_CLASS_ANY = 1, 254, 255
+# response codes
+NOERROR, FORMERR, SERVFAIL, NXDOMAIN, NOTIMP, REFUSED, NOTAUTH = 0, 1, 2, 3, 4, 5, 9
+OPCODE_QUERY, OPCODE_UPDATE = 0, 5
+
+DNS_MAX_QUERY = 4096  # bytes of a query, over UDP or TCP (a real one is under 300)
+DNS_UDP_PLAIN = 512  # an answer's largest size over UDP without EDNS
+DNS_UDP_EDNS = 1232  # ... and with it, at most (DNS flag day 2020)
+DNS_TCP_SECONDS = 10.0  # a TCP query's bytes must all come within this
+DNS_TCP_MAX = 256  # TCP connections at once (the oldest closed first)
+CHALLENGE_TTL = 600.0  # seconds a challenge record is kept at most
+CHALLENGE_MAX_VALUES = 4
+CHALLENGE_MAX_BYTES = 255
+TTL_ADDRESS, TTL_ZONE, TTL_CHALLENGE, TTL_NEGATIVE = 300, 3600, 60, 60
+
+
+class DnsError(ValueError):
+    """A message the DNS code will not read: `rcode` is what it answers (FORMERR...)."""
+
+    def __init__(self, message: str, rcode: int = FORMERR):
+        super().__init__(message)
+        self.rcode = rcode
+
+
+# -- names and messages --------------------------------------------------------------------
+
+
+def encode_name(name: str) -> bytes:
+    """Return a DNS name in wire form (no compression); "" or "." is the root."""
+    out = bytearray()
+    for label in name.rstrip(".").split(".") if name.strip(".") else []:
+        raw = label.encode("ascii")
+        if not 0 < len(raw) < 64:
+            raise DnsError(f"a label of {len(raw)} bytes")
+        out += bytes([len(raw)]) + raw
+    if len(out) + 1 > 255:
+        raise DnsError("a name over 255 bytes")
+    return bytes(out) + b"\0"
+
+
+def read_name(data: bytes, at: int) -> tuple:
+    """Return (the name at `at`, as text in its own case, the offset after it), following
+    compression pointers (backwards only, so no loop). Raises DnsError when malformed."""
+    labels, end, seen, size = [], None, 0, 0
+    while True:
+        if at >= len(data):
+            raise DnsError("a truncated name")
+        length = data[at]
+        if length & 0xC0 == 0xC0:
+            if at + 1 >= len(data):
+                raise DnsError("a truncated name")
+            target = ((length & 0x3F) << 8) | data[at + 1]
+            if end is None:
+                end = at + 2
+            if target >= at or seen > 127:
+                raise DnsError("a compression pointer that does not point back")
+            at, seen = target, seen + 1
+            continue
+        if length & 0xC0:
+            raise DnsError("an unknown label type")
+        at += 1
+        if length == 0:
+            return ".".join(labels), end if end is not None else at
+        if at + length > len(data):
+            raise DnsError("a truncated label")
+        size += length + 1
+        if size > 254:
+            raise DnsError("a name over 255 bytes")
+        labels.append(data[at : at + length].decode("latin-1"))
+        at += length
+
+
+@dataclasses.dataclass
+class DnsQuery:
+    id: int
+    flags: int
+    name: str  # as asked (its case kept: DNS 0x20), no final dot
+    qtype: int
+    qclass: int
+    question: bytes  # the question's bytes, echoed in the answer
+    edns: int | None  # the asker's UDP size when it sent an OPT record, else None
+    edns_version: int = 0
+
+    @property
+    def opcode(self) -> int:
+        return (self.flags >> 11) & 0xF
+
+
+def parse_query(data: bytes) -> DnsQuery:
+    """Return the query in a DNS message. Raises DnsError (FORMERR, NOTIMP) for a message
+    that is no single question, or that says it is an answer (rcode -1: dropped)."""
+    if len(data) < 12:
+        raise DnsError("a message shorter than its header", -1)
+    ident, flags, qd, an, ns, ar = struct.unpack_from("!HHHHHH", data)
+    if flags & 0x8000:
+        raise DnsError("an answer, not a query", -1)
+    if len(data) > DNS_MAX_QUERY:
+        raise DnsError(f"a query over {DNS_MAX_QUERY} bytes")
+    opcode = (flags >> 11) & 0xF
+    if opcode != OPCODE_QUERY:
+        raise DnsError("only queries are answered here", NOTIMP)
+    if qd != 1 or an or ns:
+        raise DnsError("a query asks exactly one question")
+    name, at = read_name(data, 12)
+    if at + 4 > len(data):
+        raise DnsError("a truncated question")
+    qtype, qclass = struct.unpack_from("!HH", data, at)
+    question = data[12 : at + 4]
+    at += 4
+    edns, version = None, 0
+    for _ in range(ar):
+        _rname, at = read_name(data, at)
+        if at + 10 > len(data):
+            raise DnsError("a truncated record")
+        rtype, rclass, ttl, size = struct.unpack_from("!HHIH", data, at)
+        at += 10 + size
+        if at > len(data):
+            raise DnsError("a truncated record")
+        if rtype == DNS_OPT:
+            if edns is not None:
+                raise DnsError("two OPT records")
+            edns, version = max(DNS_UDP_PLAIN, rclass), (ttl >> 16) & 0xFF
+    return DnsQuery(ident, flags, name, qtype, qclass, question, edns, version)
+
+
+def _record(owner: bytes, rtype: int, ttl: int, rdata: bytes, rclass: int = DNS_IN) -> bytes:
+    return owner + struct.pack("!HHIH", rtype, rclass, ttl, len(rdata)) + rdata
+
+
+def txt_rdata(value: str) -> bytes:
+    raw = value.encode("utf-8")
+    return bytes([len(raw)]) + raw
+
+
+# -- the zone ------------------------------------------------------------------------------
+
+
+class ChallengeRecords:
+    """The `TXT _acme-challenge.<id>.D` values each server set, each gone after
+    CHALLENGE_TTL (one event loop, no lock)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.values: dict = {}  # server id -> (values, monotonic time they go)
+        self.changed = int(time.time())
+
+    def set(self, server_id: str, values: list) -> None:
+        self._expire()
+        if server_id not in self.values and len(self.values) >= self.limit:
+            raise DnsError("the relay holds its maximum of challenge records", REFUSED)
+        self.values[server_id] = (tuple(values), time.monotonic() + CHALLENGE_TTL)
+        self.changed = max(self.changed + 1, int(time.time()))
+
+    def clear(self, server_id: str) -> None:
+        if self.values.pop(server_id, None) is not None:
+            self.changed = max(self.changed + 1, int(time.time()))
+
+    def get(self, server_id: str) -> tuple:
+        entry = self.values.get(server_id)
+        if entry is None or entry[1] < time.monotonic():
+            self.values.pop(server_id, None)
+            return ()
+        return entry[0]
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for sid in [s for s, (_v, until) in self.values.items() if until < now]:
+            del self.values[sid]
+
+
+class DnsZone:
+    """The answers for one domain (see this module's docstring)."""
+
+    def __init__(self, domain: str, addresses: tuple, challenges: ChallengeRecords):
+        self.domain, self.challenges = domain.lower(), challenges
+        self.v4 = [ipaddress.ip_address(a).packed for a in addresses if ":" not in a]
+        self.v6 = [ipaddress.ip_address(a.strip("[]")).packed for a in addresses if ":" in a]
+
+    def soa_rdata(self) -> bytes:
+        # mname ns.D, rname hostmaster.D, serial, refresh, retry, expire, minimum (the
+        # negative TTL: short, so a challenge set after a miss is seen within a minute)
+        serial = self.challenges.changed & 0xFFFFFFFF
+        return (
+            encode_name(f"ns.{self.domain}")
+            + encode_name(f"hostmaster.{self.domain}")
+            + struct.pack("!IIIII", serial, 3600, 600, 604800, TTL_NEGATIVE)
+        )
+
+    def answer(self, query: DnsQuery, limit: int | None) -> bytes:
+        """Return the answer to a query; `limit`: the largest size it may have (UDP), None
+        over TCP."""
+        rcode, answers, authority, additional = self._lookup(query)
+        flags = 0x8000 | (query.flags & 0x0100)  # QR, RD copied; AA when authoritative
+        if rcode in (NOERROR, NXDOMAIN):
+            flags |= 0x0400
+        opt = b""
+        if query.edns is not None:
+            ext = 0
+            if query.edns_version != 0:  # BADVERS: extended rcode 16 = (1 << 4) | 0
+                rcode, answers, authority, additional, ext = NOERROR, [], [], [], 1
+            opt = b"\0" + struct.pack("!HHIH", DNS_OPT, DNS_UDP_EDNS, ext << 24, 0)
+        sections = (answers, authority, [*additional, opt] if opt else additional)
+        head = struct.pack("!HHHHHH", query.id, flags | rcode, 1, *(len(s) for s in sections))
+        message = head + query.question + b"".join(b"".join(s) for s in sections)
+        if limit is not None and len(message) > limit:  # cut to the question: TC, come by TCP
+            counts = struct.pack("!HHHH", 1, 0, 0, 1 if opt else 0)
+            message = (
+                struct.pack("!HH", query.id, flags | 0x0200 | rcode) + counts + query.question + opt
+            )
+        return message
+
+    def _lookup(self, query: DnsQuery) -> tuple:
+        """Return (rcode, answer, authority and additional records) for a query."""
+        name = query.name.lower().rstrip(".")
+        domain = self.domain
+        if name != domain and not name.endswith("." + domain):
+            return REFUSED, [], [], []
+        if query.qclass not in (DNS_IN, DNS_CLASS_ANY):
+            return REFUSED, [], [], []
+        if query.qtype in (DNS_AXFR, DNS_IXFR, DNS_OPT, DNS_TSIG):
+            return REFUSED, [], [], []
+        labels = name[: -len(domain)].rstrip(".").split(".") if name != domain else []
+        own = b"\xc0\x0c"  # the question's name
+        soa = _record(encode_name(domain), DNS_SOA, TTL_NEGATIVE, self.soa_rdata())
+        records: dict = {}  # type -> (ttl, [rdata])
+        if len(labels) <= 1:
+            records[DNS_A] = (TTL_ADDRESS, self.v4)
+            records[DNS_AAAA] = (TTL_ADDRESS, self.v6)
+        if not labels:
+            records[DNS_SOA] = (TTL_ZONE, [self.soa_rdata()])
+            records[DNS_NS] = (TTL_ZONE, [encode_name(f"ns.{domain}")])
+        if len(labels) == 2 and labels[0] == "_acme-challenge":
+            values = self.challenges.get(labels[1])
+            if not values:
+                return NXDOMAIN, [], [soa], []
+            records[DNS_TXT] = (TTL_CHALLENGE, [txt_rdata(v) for v in values])
+        elif len(labels) > 1:
+            return NXDOMAIN, [], [soa], []
+        qtype = query.qtype
+        if qtype == DNS_ANY:  # RFC 8482 4.2: one synthesised HINFO, not everything
+            if DNS_TXT in records:
+                qtype = DNS_TXT
+            else:
+                hinfo = b"\x07RFC8482\x00"
+                return NOERROR, [_record(own, DNS_HINFO, TTL_ADDRESS, hinfo)], [], []
+        ttl, rdatas = records.get(qtype, (0, []))
+        if not rdatas:
+            return NOERROR, [], [soa], []
+        answers = [_record(own, qtype, ttl, r) for r in rdatas]
+        additional = []
+        if qtype == DNS_NS:
+            glue = encode_name(f"ns.{domain}")
+            additional = [_record(glue, DNS_A, TTL_ADDRESS, a) for a in self.v4]
+            additional += [_record(glue, DNS_AAAA, TTL_ADDRESS, a) for a in self.v6]
+        return NOERROR, answers, [], additional
+
+
+def dns_reply(zone: DnsZone, data: bytes, udp: bool) -> bytes | None:
+    """Return the answer to a message (None: nothing to answer, e.g. a stray answer);
+    over UDP cut to 512 bytes, or to the EDNS size asked (at most DNS_UDP_EDNS)."""
+    try:
+        query = parse_query(data)
+    except DnsError as e:
+        if e.rcode < 0 or len(data) < 12:
+            return None
+        ident, flags = struct.unpack_from("!HH", data)
+        return struct.pack("!HHHHHH", ident, 0x8000 | (flags & 0x7900) | e.rcode, 0, 0, 0, 0)
+    limit = (min(query.edns, DNS_UDP_EDNS) if query.edns else DNS_UDP_PLAIN) if udp else None
+    return zone.answer(query, limit)
+
+
+# -- the server ------------------------------------------------------------------------------
+
+
+class _DnsUdp(asyncio.DatagramProtocol):
+    def __init__(self, zone: DnsZone):
+        self.zone = zone
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr) -> None:
+        try:
+            answer = dns_reply(self.zone, data, True)
+        except Exception:
+            log.exception("dns: a query from %s failed", log_safe(str(addr[0]), 64))
+            return
+        if answer is not None and self.transport is not None:
+            self.transport.sendto(answer, addr)
+
+
+class DnsServer:
+    """The relay's authoritative DNS for its domain on UDP and TCP (one port)."""
+
+    def __init__(self, zone: DnsZone, host: str, port: int):
+        self.zone, self.host, self.port = zone, host, port
+        self.udp = None
+        self.tcp: asyncio.AbstractServer | None = None
+        self.connections: dict = {}  # TCP writer -> None, oldest first
+
+    async def start(self) -> int:
+        """Listen on UDP and TCP; return the port (port 0: a free one, the same for both)."""
+        loop = asyncio.get_running_loop()
+        last: OSError | None = None
+        for _ in range(20 if self.port == 0 else 1):
+            transport, _proto = await loop.create_datagram_endpoint(
+                lambda: _DnsUdp(self.zone), local_addr=(self.host, self.port)
+            )
+            port = transport.get_extra_info("sockname")[1]
+            try:
+                self.tcp = await asyncio.start_server(self._serve_tcp, self.host, port)
+            except OSError as e:  # that port is taken for TCP: another one
+                transport.close()
+                last = e
+                continue
+            self.udp = transport
+            self.port = port
+            return port
+        raise last or OSError("no port for DNS")
+
+    def close(self) -> None:
+        if self.udp is not None:
+            self.udp.close()
+        if self.tcp is not None:
+            self.tcp.close()
+        for writer in list(self.connections):
+            writer.close()
+
+    async def _serve_tcp(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.connections[writer] = None
+        while len(self.connections) > DNS_TCP_MAX:
+            oldest = next(iter(self.connections))
+            self.connections.pop(oldest, None)
+            oldest.close()
+        try:
+            while True:
+                # the whole message within DNS_TCP_SECONDS: a slow sender holds nothing long
+                try:
+                    size = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 30))
+                    if size[0] > DNS_MAX_QUERY:  # no query is that long: not read at all
+                        return
+                    data = await asyncio.wait_for(reader.readexactly(size[0]), DNS_TCP_SECONDS)
+                except (asyncio.TimeoutError, asyncio.IncompleteReadError):
+                    return
+                answer = dns_reply(self.zone, data, False)
+                if answer is None:
+                    return
+                writer.write(struct.pack("!H", len(answer)) + answer)
+                await asyncio.wait_for(writer.drain(), DNS_TCP_SECONDS)
+        except (OSError, asyncio.TimeoutError):
+            pass
+        except Exception:
+            log.exception("dns: a TCP query failed")
+        finally:
+            self.connections.pop(writer, None)
+            writer.close()
+
+
+# -- RFC 2136 updates, signed with TSIG (RFC 8945) ------------------------------------------
+
+
+def tsig_setting(raw: str) -> tuple:
+    """Parse SERVICE_RELAY_DNS_TSIG: `<key name>:<base64 HMAC-SHA256 secret>` (as `keymgr`
+    and `tsig-keygen` print them) into (name, secret bytes); ("", b"") when empty."""
+    raw = raw.strip()
+    if not raw:
+        return "", b""
+    name, sep, secret = raw.partition(":")
+    if not sep or not name or not secret:
+        raise ValueError("give it as <key name>:<base64 secret>")
+    try:
+        key = base64.b64decode(secret.strip(), validate=True)
+        encode_name(name)
+    except (ValueError, DnsError):
+        raise ValueError("the key name or its base64 secret is malformed") from None
+    if len(key) < 16:
+        raise ValueError("the secret is shorter than 16 bytes")
+    return name.lower().rstrip("."), key
+
+
+HMAC_SHA256 = "hmac-sha256"
+TSIG_FUDGE = 300
+
+
+def _tsig_variables(key_name: str, signed: int, error: int = 0, other: bytes = b"") -> bytes:
+    return (
+        encode_name(key_name)
+        + struct.pack("!HI", DNS_CLASS_ANY, 0)
+        + encode_name(HMAC_SHA256)
+        + signed.to_bytes(6, "big")
+        + struct.pack("!HHH", TSIG_FUDGE, error, len(other))
+        + other
+    )
+
+
+def tsig_sign(message: bytes, key_name: str, secret: bytes, signed: int | None = None) -> tuple:
+    """Return (the message with a TSIG record added, its MAC)."""
+    signed = int(time.time()) if signed is None else signed
+    mac = hmac.new(secret, message + _tsig_variables(key_name, signed), hashlib.sha256).digest()
+    ident = message[:2]
+    rdata = (
+        encode_name(HMAC_SHA256)
+        + signed.to_bytes(6, "big")
+        + struct.pack("!HH", TSIG_FUDGE, len(mac))
+        + mac
+        + ident
+        + struct.pack("!HH", 0, 0)
+    )
+    count = struct.unpack_from("!H", message, 10)[0] + 1
+    head = message[:10] + struct.pack("!H", count)
+    record = _record(encode_name(key_name), DNS_TSIG, 0, rdata, DNS_CLASS_ANY)
+    return head + message[12:] + record, mac
+
+
+def tsig_verify(answer: bytes, key_name: str, secret: bytes, request_mac: bytes) -> int:
+    """Return the rcode of a TSIG-signed answer to a request whose MAC was `request_mac`.
+
+    Raises DnsError when the answer is not signed by that key (or its time is off).
+    """
+    if len(answer) < 12:
+        raise DnsError("a truncated answer")
+    _id, flags, qd, an, ns, ar = struct.unpack_from("!HHHHHH", answer)
+    at = 12
+    for _ in range(qd):
+        _name, at = read_name(answer, at)
+        at += 4
+    start = None
+    for i in range(an + ns + ar):
+        record_at = at
+        name, at = read_name(answer, at)
+        rtype, _cls, _ttl, size = struct.unpack_from("!HHIH", answer, at)
+        at += 10
+        if rtype == DNS_TSIG and i == an + ns + ar - 1:
+            start, rdata, owner = record_at, answer[at : at + size], name
+        at += size
+    if start is None:
+        raise DnsError("the answer is not signed (no TSIG record)", flags & 0xF or NOTAUTH)
+    if owner.lower().rstrip(".") != key_name:
+        raise DnsError("the answer is signed by another key")
+    algorithm, at = read_name(rdata, 0)
+    signed = int.from_bytes(rdata[at : at + 6], "big")
+    fudge, mac_size = struct.unpack_from("!HH", rdata, at + 6)
+    mac = rdata[at + 10 : at + 10 + mac_size]
+    original, error, other_size = struct.unpack_from("!HHH", rdata, at + 10 + mac_size)
+    other = rdata[at + 16 + mac_size : at + 16 + mac_size + other_size]
+    if error:
+        raise DnsError(f"the DNS server refused the signature (TSIG error {error})", NOTAUTH)
+    if algorithm.lower() != HMAC_SHA256:
+        raise DnsError("the answer is signed with another algorithm")
+    body = struct.pack("!H", original) + answer[2:10] + struct.pack("!H", ar - 1)
+    body += answer[12:start]
+    expect = hmac.new(
+        secret,
+        struct.pack("!H", len(request_mac))
+        + request_mac
+        + body
+        + _tsig_variables(key_name, signed, error, other),
+        hashlib.sha256,
+    ).digest()
+    if not hmac.compare_digest(mac, expect):
+        raise DnsError("the answer's TSIG signature does not match")
+    if abs(time.time() - signed) > fudge:
+        raise DnsError("the answer's TSIG time is off by more than its fudge")
+    return flags & 0xF
+
+
+RCODE_NAMES = {
+    NOERROR: "NOERROR",
+    FORMERR: "FORMERR",
+    SERVFAIL: "SERVFAIL",
+    NXDOMAIN: "NXDOMAIN",
+    NOTIMP: "NOTIMP",
+    REFUSED: "REFUSED",
+    NOTAUTH: "NOTAUTH",
+}
+
+
+class DnsUpdater:
+    """Sets and clears `TXT _acme-challenge.<id>.D` in another DNS server by RFC 2136
+    updates over TCP, signed with TSIG (HMAC-SHA256), and clears each after
+    CHALLENGE_TTL."""
+
+    TIMEOUT = 10.0
+
+    def __init__(self, target: str, key_name: str, secret: bytes, zone: str):
+        host, _, port = target.rpartition(":")
+        self.host, self.port = host.strip("[]"), int(port)
+        self.key_name, self.secret, self.zone = key_name, secret, zone.lower()
+        self.timers: dict = {}  # server id -> the call that clears its record
+
+    def message(self, server_id: str, values: list) -> bytes:
+        """Return the unsigned UPDATE: the zone, then delete the name's TXT set and add
+        each value (none: a delete alone)."""
+        owner = encode_name(f"_acme-challenge.{server_id}.{self.zone}")
+        updates = [_record(owner, DNS_TXT, 0, b"", DNS_CLASS_ANY)]  # delete the RRset
+        updates += [_record(owner, DNS_TXT, TTL_CHALLENGE, txt_rdata(v)) for v in values]
+        head = struct.pack(
+            "!HHHHHH", secrets.randbelow(65536), OPCODE_UPDATE << 11, 1, 0, len(updates), 0
+        )
+        zone = encode_name(self.zone) + struct.pack("!HH", DNS_SOA, DNS_IN)
+        return head + zone + b"".join(updates)
+
+    async def send(self, server_id: str, values: list) -> None:
+        """Send one update and wait for the server's signed NOERROR.
+
+        Raises DnsError (refused, unsigned, wrong signature) or OSError (unreachable,
+        timed out)."""
+        request, mac = tsig_sign(self.message(server_id, values), self.key_name, self.secret)
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port), self.TIMEOUT
+            )
+        except asyncio.TimeoutError:
+            raise OSError(f"{self.host}:{self.port} did not answer") from None
+        try:
+            writer.write(struct.pack("!H", len(request)) + request)
+            size = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), self.TIMEOUT))
+            answer = await asyncio.wait_for(reader.readexactly(size[0]), self.TIMEOUT)
+        except (asyncio.TimeoutError, asyncio.IncompleteReadError):
+            raise OSError(f"{self.host}:{self.port} did not answer the update") from None
+        finally:
+            writer.close()
+        if answer[:2] != request[:2]:
+            raise DnsError("the answer is to another message")
+        rcode = tsig_verify(answer, self.key_name, self.secret, mac)
+        if rcode != NOERROR:
+            raise DnsError(f"the DNS server answered {RCODE_NAMES.get(rcode, rcode)}", rcode)
+
+    async def set(self, server_id: str, values: list) -> None:
+        await self.send(server_id, values)
+        self._clear_later(server_id)
+
+    async def clear(self, server_id: str) -> None:
+        timer = self.timers.pop(server_id, None)
+        if timer is not None:
+            timer.cancel()
+        await self.send(server_id, [])
+
+    def _clear_later(self, server_id: str) -> None:
+        timer = self.timers.pop(server_id, None)
+        if timer is not None:
+            timer.cancel()
+        loop = asyncio.get_running_loop()
+
+        def clear() -> None:
+            self.timers.pop(server_id, None)
+            task = loop.create_task(self.send(server_id, []))
+            task.add_done_callback(_log_failed_clear)
+
+        self.timers[server_id] = loop.call_later(CHALLENGE_TTL, clear)
+
+
+def _log_failed_clear(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("dns: clearing an expired challenge record failed: %s", task.exception())
+
+
+# == src/notesvc/passthrough/acme.py ==========================================
+# The server's certificate for <id>.D: ACME (RFC 8555) by DNS-01 through its relay, kept.
+
+LETS_ENCRYPT = "https://acme-v02.api.letsencrypt.org/directory"
+TLS_FOLDER = "tls"
+SERVER_PEM = "server.pem"  # the certificate's key, then its chain: one file, one rename
+ACCOUNT_PEM = "account.pem"
+
+
+def has_cryptography() -> bool:
+    """Return whether the `cryptography` package (ECDSA keys, JWS, CSRs) can be imported."""
+    try:
+        import cryptography.hazmat.primitives.asymmetric.ec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+# -- keys, signatures, requests ------------------------------------------------------------
+
+
+def new_private_key_pem() -> bytes:
+    """Return a new ECDSA P-256 private key (PKCS#8 PEM)."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    return key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+
+
+def _load_key(pem: bytes) -> Any:
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.load_pem_private_key(pem, password=None)
+
+
+def jwk_of(key: Any) -> dict:
+    """Return the public JWK of a P-256 key (RFC 7518 6.2), members in thumbprint order."""
+    numbers = key.public_key().public_numbers()
+    return {
+        "crv": "P-256",
+        "kty": "EC",
+        "x": b64url(numbers.x.to_bytes(32, "big")),
+        "y": b64url(numbers.y.to_bytes(32, "big")),
+    }
+
+
+def jwk_thumbprint(jwk: dict) -> str:
+    """Return the JWK's SHA-256 thumbprint (RFC 7638), base64url."""
+    canonical = json.dumps(jwk, sort_keys=True, separators=(",", ":")).encode()
+    return b64url(hashlib.sha256(canonical).digest())
+
+
+def dns01_value(token: str, thumbprint: str) -> str:
+    """Return the TXT value a DNS-01 challenge asks for (RFC 8555 8.4)."""
+    return b64url(hashlib.sha256(f"{token}.{thumbprint}".encode()).digest())
+
+
+def es256(key: Any, data: bytes) -> bytes:
+    """Return the JWS ES256 signature of data: r and s, 32 bytes each (RFC 7518 3.4)."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.hazmat.primitives.asymmetric.utils import decode_dss_signature
+
+    r, s = decode_dss_signature(key.sign(data, ec.ECDSA(hashes.SHA256())))
+    return r.to_bytes(32, "big") + s.to_bytes(32, "big")
+
+
+def csr_der(key: Any, name: str) -> bytes:
+    """Return a certificate signing request for one DNS name (DER)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.x509.oid import NameOID
+
+    subject = [x509.NameAttribute(NameOID.COMMON_NAME, name)] if len(name) <= 64 else []
+    request = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name(subject))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return request.public_bytes(serialization.Encoding.DER)
+
+
+class AcmeError(Exception):
+    """An ACME CA's refusal or failure, in words fit for /system/info (never a secret)."""
+
+    def __init__(self, message: str, kind: str = "", status: int = 0):
+        super().__init__(message)
+        self.kind, self.status = kind, status
+
+
+class AcmeClient:
+    """RFC 8555 over HTTPS, for one account key: directory, nonces (badNonce retried),
+    JWS-signed POSTs, the order of one DNS name by DNS-01."""
+
+    TIMEOUT = 30.0  # seconds for one request to the CA
+    POLL_SECONDS = 120.0  # how long an authorisation or an order may stay pending
+    NONCE_RETRIES = 5
+
+    def __init__(self, directory: str, ca_file: str, account_key: Any, email: str = ""):
+        self.directory_url, self.key, self.email = directory, account_key, email
+        self.context = ssl.create_default_context(cafile=ca_file or None)
+        self.jwk = jwk_of(account_key)
+        self.thumbprint = jwk_thumbprint(self.jwk)
+        self.urls: dict = {}
+        self.kid = ""
+        self.nonce = ""
+        self.stop = threading.Event()
+
+    def _http(self, method: str, url: str, body: bytes | None = None) -> tuple:
+        """Return (status, headers, body bytes) of one request to the CA."""
+        headers = {"User-Agent": f"notesvc/{__version__}"}
+        if body is not None:
+            headers["Content-Type"] = "application/jose+json"
+        req = urllib.request.Request(url, body, headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=self.TIMEOUT, context=self.context) as r:
+                return r.status, r.headers, r.read(1 << 20)
+        except urllib.error.HTTPError as e:
+            with e:
+                return e.code, e.headers, e.read(1 << 20)
+        except (OSError, ValueError) as e:  # refused, timed out, TLS, a bad URL
+            reason = getattr(e, "reason", None) or e
+            raise AcmeError(f"the ACME CA at {url} cannot be reached: {reason}") from None
+
+    def directory(self) -> dict:
+        if not self.urls:
+            status, _headers, raw = self._http("GET", self.directory_url)
+            try:
+                urls = json.loads(raw)
+            except ValueError:
+                urls = None
+            if status != 200 or not isinstance(urls, dict) or "newOrder" not in urls:
+                raise AcmeError(f"{self.directory_url} is not an ACME directory (HTTP {status})")
+            self.urls = urls
+        return self.urls
+
+    def _new_nonce(self) -> str:
+        status, headers, _ = self._http("HEAD", self.directory()["newNonce"])
+        nonce = headers.get("Replay-Nonce", "")
+        if not nonce:
+            raise AcmeError(f"the ACME CA gave no nonce (HTTP {status})")
+        return nonce
+
+    def post(self, url: str, payload: Any, use_jwk: bool = False) -> tuple:
+        """Return (status, headers, parsed body) of a JWS-signed POST (`payload` None:
+        POST-as-GET); a badNonce is retried with the nonce it brought.
+
+        Raises AcmeError for a problem document the CA answers."""
+        for _ in range(self.NONCE_RETRIES):
+            nonce = self.nonce or self._new_nonce()
+            self.nonce = ""
+            protected = {"alg": "ES256", "nonce": nonce, "url": url}
+            if use_jwk:
+                protected["jwk"] = self.jwk
+            else:
+                protected["kid"] = self.kid
+            head = b64url(json.dumps(protected).encode())
+            body = "" if payload is None else b64url(json.dumps(payload).encode())
+            signature = b64url(es256(self.key, f"{head}.{body}".encode()))
+            jws = json.dumps({"protected": head, "payload": body, "signature": signature})
+            status, headers, raw = self._http("POST", url, jws.encode())
+            self.nonce = headers.get("Replay-Nonce", "")
+            ctype = headers.get("Content-Type", "")
+            parsed: Any = raw
+            if "json" in ctype:
+                try:
+                    parsed = json.loads(raw)
+                except ValueError:
+                    parsed = {}
+            if status < 400:
+                return status, headers, parsed
+            problem = parsed if isinstance(parsed, dict) else {}
+            kind = str(problem.get("type", ""))
+            if kind.endswith(":badNonce"):
+                continue
+            detail = log_safe(str(problem.get("detail", "")), 300) or f"HTTP {status}"
+            name = kind.rsplit(":", 1)[-1] or "error"
+            raise AcmeError(f"the ACME CA refused ({name}): {detail}", kind, status)
+        raise AcmeError("the ACME CA kept refusing our nonces (badNonce)", "badNonce")
+
+    def account(self) -> str:
+        """Register the account (or find it: the same key is the same account)."""
+        if not self.kid:
+            payload: dict = {"termsOfServiceAgreed": True}
+            if self.email:
+                payload["contact"] = [f"mailto:{self.email}"]
+            status, headers, _ = self.post(self.directory()["newAccount"], payload, use_jwk=True)
+            self.kid = headers.get("Location", "")
+            if status not in (200, 201) or not self.kid:
+                raise AcmeError(f"the ACME CA did not make an account (HTTP {status})")
+        return self.kid
+
+    def _wait(self, url: str, pending: tuple, what: str) -> dict:
+        """POST-as-GET `url` until its status leaves `pending`; return the object."""
+        deadline = time.monotonic() + self.POLL_SECONDS
+        while True:
+            _s, headers, obj = self.post(url, None)
+            if not isinstance(obj, dict):
+                raise AcmeError(f"the ACME CA's {what} is not JSON")
+            if obj.get("status") not in pending:
+                return obj
+            if time.monotonic() > deadline:
+                raise AcmeError(f"the {what} stayed {obj.get('status')} for too long")
+            delay = 1.0
+            with contextlib.suppress(ValueError):
+                delay = min(10.0, max(0.2, float(headers.get("Retry-After", "1"))))
+            if self.stop.wait(delay):
+                raise AcmeError("stopped")
+
+    def obtain(self, name: str, publish: Callable, withdraw: Callable) -> tuple:
+        """Return (key PEM, chain PEM) of a new certificate for `name`, proving control
+        of it by DNS-01: publish([values]) before answering the challenges, withdraw()
+        after (whatever the outcome)."""
+        self.account()
+        status, headers, order = self.post(
+            self.directory()["newOrder"], {"identifiers": [{"type": "dns", "value": name}]}
+        )
+        order_url = headers.get("Location", "")
+        if status != 201 or not isinstance(order, dict) or not order_url:
+            raise AcmeError(f"the ACME CA did not make an order (HTTP {status})")
+        try:
+            self._authorise(order, publish)
+        finally:
+            try:
+                withdraw()
+            except Exception as e:  # the relay drops it after 10 minutes anyway
+                log.warning("acme: withdrawing the challenge record failed: %s", e)
+        order = self._wait(order_url, ("pending",), "order")
+        if order.get("status") != "ready":
+            raise AcmeError(f"the order is {order.get('status')}: {_problem_of(order)}")
+        key_pem = new_private_key_pem()
+        csr = csr_der(_load_key(key_pem), name)
+        self.post(order["finalize"], {"csr": b64url(csr)})
+        order = self._wait(order_url, ("processing", "ready"), "order")
+        if order.get("status") != "valid" or not order.get("certificate"):
+            raise AcmeError(f"the order is {order.get('status')}: {_problem_of(order)}")
+        _s, _h, chain = self.post(order["certificate"], None)
+        if not isinstance(chain, bytes) or b"BEGIN CERTIFICATE" not in chain:
+            raise AcmeError("the ACME CA's certificate is not PEM")
+        return key_pem, chain
+
+    def _authorise(self, order: dict, publish: Callable) -> None:
+        """Answer every pending authorisation of an order by DNS-01 and wait for each."""
+        pending = []
+        for url in order.get("authorizations", []):
+            _s, _h, authz = self.post(url, None)
+            if not isinstance(authz, dict):
+                raise AcmeError("the ACME CA's authorisation is not JSON")
+            if authz.get("status") == "valid":
+                continue  # reused (RFC 8555 7.1.3)
+            challenge = next(
+                (c for c in authz.get("challenges", []) if c.get("type") == "dns-01"), None
+            )
+            if challenge is None:
+                raise AcmeError("the ACME CA offers no dns-01 challenge")
+            pending.append((url, challenge))
+        if not pending:
+            return
+        publish([dns01_value(c["token"], self.thumbprint) for _u, c in pending])
+        for _url, challenge in pending:
+            self.post(challenge["url"], {})
+        for url, _challenge in pending:
+            authz = self._wait(url, ("pending", "processing"), "authorisation")
+            if authz.get("status") != "valid":
+                failed = next(
+                    (c for c in authz.get("challenges", []) if c.get("error")), {"error": {}}
+                )
+                raise AcmeError(f"DNS-01 failed: {_problem_of(failed)}")
+
+
+def _problem_of(obj: dict) -> str:
+    error = obj.get("error") if isinstance(obj.get("error"), dict) else {}
+    return log_safe(str(error.get("detail") or error.get("type") or "no reason given"), 300)
+
+
+# -- the certificate on disk ------------------------------------------------------------
+
+
+class TlsFolder:
+    """`.notesvc/tls/`: server.pem (the key, then the chain) and account.pem, 0600."""
+
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / TLS_FOLDER
+
+    def _ensure(self) -> None:
+        self.path.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def account_key(self) -> Any:
+        """Return the ACME account's key, made (and kept) on first use."""
+        self._ensure()
+        path = self.path / ACCOUNT_PEM
+        if not path.exists():
+            atomic_write(path, new_private_key_pem(), mode=0o600)
+        return _load_key(path.read_bytes())
+
+    def save(self, key_pem: bytes, chain_pem: bytes) -> None:
+        self._ensure()
+        atomic_write(self.path / SERVER_PEM, key_pem + b"\n" + chain_pem, mode=0o600)
+
+    def facts(self) -> dict:
+        """Return the facts of the certificate kept (certificate_facts), {} without one."""
+        try:
+            return certificate_facts((self.path / SERVER_PEM).read_text("ascii", "replace"))
+        except OSError:
+            return {}
+
+    def context(self) -> ssl.SSLContext:
+        """Return a server SSLContext on the certificate kept (TLS 1.2+, HTTP/1.1).
+
+        Raises OSError or ssl.SSLError when it is missing or its key does not match."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        ctx.load_cert_chain(str(self.path / SERVER_PEM))
+        ctx.set_alpn_protocols(["http/1.1"])
+        return ctx
+
+
+def renew_at(facts: dict) -> float:
+    """Return when a certificate is renewed: two thirds into its lifetime."""
+    return facts["notBefore"] + (facts["notAfter"] - facts["notBefore"]) * 2 / 3
+
+
+class CertKeeper:
+    """Gets and renews the certificate for one name on a thread of its own.
+
+    `publish(values)` and `withdraw()` set and clear the challenge records through the
+    relay; `changed()` is called when a new certificate is in place (and when the one in
+    hand has expired). `context()` is the SSLContext to serve with, or None.
+    """
+
+    BACKOFF_FIRST = 60.0
+    BACKOFF_MOST = 6 * 3600.0
+
+    def __init__(
+        self,
+        folder: TlsFolder,
+        directory: str,
+        ca_file: str,
+        email: str,
+        publish: Callable,
+        withdraw: Callable,
+        changed: Callable,
+    ):
+        self.folder, self.directory, self.ca_file, self.email = folder, directory, ca_file, email
+        self.publish, self.withdraw, self.changed = publish, withdraw, changed
+        self.name = ""  # <serverId>.<domain>, once the relay has said it offers passthrough
+        self.state = "waiting"  # waiting, obtaining, valid, renewing, error
+        self.last_error: str | None = None
+        self.failures = 0
+        self.next_attempt = 0.0  # wall time of the next try after a failure
+        self.last_success = 0.0
+        self._context: ssl.SSLContext | None = None
+        self._context_facts: dict = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="notesvc-acme", daemon=True)
+        self._client: AcmeClient | None = None
+
+    def start(self, name: str) -> None:
+        """Keep a certificate for `name` (again, when it changed)."""
+        with self._lock:
+            if name != self.name:
+                self.name, self.failures, self.next_attempt = name, 0, 0.0
+        self._wake.set()
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._client is not None:
+            self._client.stop.set()
+
+    def usable(self, facts: dict, now: float | None = None) -> bool:
+        """Return whether a certificate's facts fit this name and it is within its time."""
+        now = time.time() if now is None else now
+        return (
+            bool(facts)
+            and self.name in facts.get("names", [])
+            and facts["notBefore"] <= now + 300
+            and now < facts["notAfter"]
+        )
+
+    def context(self) -> ssl.SSLContext | None:
+        """Return the SSLContext on the certificate kept while it is usable, else None."""
+        with self._lock:
+            if self._context is not None and not self.usable(self._context_facts):
+                self._context = None
+            return self._context
+
+    def load(self) -> bool:
+        """Take the certificate on disk when it is usable for the name; return whether."""
+        facts = self.folder.facts()
+        if not self.usable(facts):
+            return False
+        try:
+            ctx = self.folder.context()
+        except (OSError, ssl.SSLError) as e:
+            where = self.folder.path
+            log.warning("passthrough: the certificate in %s cannot be used: %s", where, e)
+            return False
+        with self._lock:
+            self._context, self._context_facts = ctx, facts
+        return True
+
+    def status(self) -> dict:
+        facts = self._context_facts if self._context is not None else {}
+        return {
+            "name": self.name or None,
+            "state": self.state,
+            "certificate": {
+                "notBefore": iso(facts["notBefore"]),
+                "notAfter": iso(facts["notAfter"]),
+                "renewAt": iso(renew_at(facts)),
+                "issuer": facts.get("issuer", ""),
+            }
+            if facts
+            else None,
+            "lastError": self.last_error,
+            "nextAttemptAt": iso(self.next_attempt) if self.next_attempt else None,
+            "acmeDirectory": self.directory,
+        }
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            wait = self._step()
+            self._wake.wait(wait)
+
+    def _step(self) -> float:
+        """Do what is due now; return how long to wait before looking again."""
+        if not self.name:
+            return 3600.0
+        had = self._context is not None
+        self.load()  # the file on disk, when usable (a restart, a copy put there by hand)
+        ctx = self.context()  # None once the one in hand has expired
+        if had != (ctx is not None):
+            self.changed()
+        if ctx is not None and time.time() < renew_at(self._context_facts):
+            self.state = "valid"
+            return min(3600.0, max(1.0, renew_at(self._context_facts) - time.time()))
+        now = time.time()
+        if self.next_attempt and now < self.next_attempt:
+            return self.next_attempt - now
+        self.state = "renewing" if self._context is not None else "obtaining"
+        try:
+            self._obtain()
+        except AcmeError as e:
+            if self._stop.is_set():
+                return 0.0
+            self.failures += 1
+            delay = min(self.BACKOFF_MOST, self.BACKOFF_FIRST * 2 ** (self.failures - 1))
+            delay *= random.uniform(0.9, 1.1)  # noqa: S311 - spreading retries, no secret
+            self.next_attempt = time.time() + delay
+            self.state, self.last_error = "error", str(e)
+            log.warning(
+                "passthrough: no certificate for %s: %s; trying again in %.0f s%s",
+                self.name,
+                e,
+                delay,
+                " (the one in hand keeps serving)" if self._context is not None else "",
+            )
+            return delay
+        except Exception as e:  # a bug: said once, tried again later
+            self.failures += 1
+            self.next_attempt = time.time() + self.BACKOFF_MOST
+            self.state, self.last_error = "error", type(e).__name__
+            log.exception("passthrough: getting a certificate failed")
+            return self.BACKOFF_MOST
+        self.failures, self.next_attempt, self.last_error = 0, 0.0, None
+        self.last_success = time.time()
+        self.load()
+        self.state = "valid"
+        log.info(
+            "passthrough: a certificate for %s until %s",
+            self.name,
+            iso(self._context_facts.get("notAfter", 0)),
+        )
+        self.changed()
+        return 1.0
+
+    def _obtain(self) -> None:
+        if self._client is None or self._client.directory_url != self.directory:
+            self._client = AcmeClient(
+                self.directory, self.ca_file, self.folder.account_key(), self.email
+            )
+            if self._stop.is_set():
+                self._client.stop.set()
+        key_pem, chain = self._client.obtain(self.name, self.publish, self.withdraw)
+        facts = certificate_facts(chain.decode("ascii", "replace"))
+        if not self.usable(facts):
+            raise AcmeError("the ACME CA's certificate does not name this server")
+        self.folder.save(key_pem, chain)
+
+
+# == src/notesvc/passthrough/front.py =========================================
+# The relay's TLS port: ClientHellos read for their name, spliced to servers that dial in.
+
+HELLO_SECONDS = 10.0  # a whole ClientHello (and a trusted proxy's PROXY header) within this
+DIAL_SECONDS = 10.0  # a server dials within this, or its client's connection is closed
+PENDING_MAX = 4096  # connections whose ClientHello is not in yet, in all
+DIALS_PER_SERVER = 64  # clients waiting for one server's dial (the oldest closed first)
+SPLICES_PER_SERVER = 256  # open splices to one server
+SPLICE_IDLE_SECONDS = 300.0  # a splice with no byte either way this long is closed
+SPLICE_HIGH_WATER = 256 * 1024  # bytes buffered toward one side before the other pauses
+SPLICE_UPGRADE = "notesvc-splice"
+
+
+@dataclasses.dataclass
+class Dial:
+    """A client connection waiting for its server to dial in."""
+
+    server_id: str
+    sock: socket.socket
+    hello: bytes  # the client's bytes so far (its ClientHello)
+    client: tuple  # (address, port) of the client, as the PROXY header says it
+    local: tuple  # (address, port) it connected to
+    until: float
+    done: asyncio.Future
+
+
+class _Pipe(asyncio.Protocol):
+    """One side of a splice: what it reads goes to the other side's transport."""
+
+    def __init__(self, splice: _Splice):
+        self.splice = splice
+        self.transport: asyncio.Transport | None = None
+        self.other: _Pipe | None = None
+        self.early = b""  # read before the other side had its transport
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.set_write_buffer_limits(high=SPLICE_HIGH_WATER)
+
+    def data_received(self, data: bytes) -> None:
+        self.splice.last = time.monotonic()
+        other = self.other.transport if self.other is not None else None
+        if other is None:
+            self.early += data
+        elif not other.is_closing():
+            other.write(data)
+
+    def eof_received(self) -> bool:
+        other = self.other.transport if self.other is not None else None
+        if other is not None and not other.is_closing() and other.can_write_eof():
+            other.write_eof()  # a half-close passes through (TLS's close_notify came first)
+            return True
+        return False
+
+    def connection_lost(self, exc) -> None:
+        self.splice.close()
+
+    def pause_writing(self) -> None:  # our side's buffer is full: stop reading the other
+        other = self.other.transport if self.other is not None else None
+        if other is not None and not other.is_closing():
+            other.pause_reading()
+
+    def resume_writing(self) -> None:
+        other = self.other.transport if self.other is not None else None
+        if other is not None and not other.is_closing():
+            other.resume_reading()
+
+
+class _Splice:
+    """A client's connection and its server's data connection, joined."""
+
+    def __init__(self, front: TlsFront, server_id: str):
+        self.front, self.server_id = front, server_id
+        self.client, self.server = _Pipe(self), _Pipe(self)
+        self.client.other, self.server.other = self.server, self.client
+        self.last = time.monotonic()
+        self.closed = False
+        self.writer: Any = None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if log.isEnabledFor(10):
+            log.debug("relay: a splice to %s closed", self.server_id)
+        for pipe in (self.client, self.server):
+            if pipe.transport is not None and not pipe.transport.is_closing():
+                pipe.transport.close()  # (what is buffered still goes out first)
+        self.front.splices.get(self.server_id, {}).pop(self, None)
+        if not self.front.splices.get(self.server_id, True):
+            self.front.splices.pop(self.server_id, None)
+
+
+class TlsFront:
+    """The relay's TLS port (see this module's docstring).
+
+    `hub` is the relay's RelayHub: `splices_to(server_id)` says whether a server is in
+    passthrough mode and `dial(server_id, message)` puts a dial in its long-poll.
+    `serve_http(reader, writer, peer, scheme)` serves a connection as the relay's HTTP.
+    """
+
+    def __init__(self, config: Config, hub: Any, serve_http: Callable):
+        self.config, self.hub, self.serve_http = config, hub, serve_http
+        self.domain = config.relay_domain
+        self.listener: socket.socket | None = None
+        self.shared = False  # one port with the HTTP server
+        self.port = 0
+        self.pending: OrderedDict = OrderedDict()  # socket -> (client address, task)
+        self.pending_by_addr: dict = {}  # address -> {socket: None}
+        self.dials: dict = {}  # token -> Dial
+        self.splices: dict = {}  # server id -> {_Splice: None}
+        self.counts = {"spliced": 0, "terminated": 0, "closed": 0, "dialsMissed": 0}
+        self._tasks: set = set()
+        self._context: ssl.SSLContext | None = None
+        self._wildcard = False
+        self._cert_seen: tuple = ()  # (mtime of cert, of key) the context was made from
+        self._cert_checked = 0.0
+        self._rcvlowat = hasattr(socket, "SO_RCVLOWAT")
+
+    # -- listening -----------------------------------------------------------------------
+
+    async def start(self, shared: bool) -> int:
+        """Listen on SERVICE_RELAY_TLS_PORT; `shared`: it is the HTTP port too (this
+        listener then serves the HTTP connections as well). Return the port."""
+        self.shared = shared
+        self.context()  # said at start when the certificate cannot be read
+        family = socket.AF_INET6 if ":" in self.config.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        port = self.config.port if shared else self.config.relay_tls_port
+        try:
+            sock.bind((self.config.host, port))
+            sock.listen(1024)
+        except OSError:
+            sock.close()
+            raise
+        sock.setblocking(False)
+        self.listener, self.port = sock, sock.getsockname()[1]
+        self._keep(asyncio.get_running_loop().create_task(self._accept()))
+        self._keep(asyncio.get_running_loop().create_task(self._sweep()))
+        return self.port
+
+    def close(self) -> None:
+        if self.listener is not None:
+            with contextlib.suppress(OSError):
+                self.listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for splices in list(self.splices.values()):
+            for splice in list(splices):
+                splice.close()
+
+    def _keep(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _accept(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, _addr = await loop.sock_accept(self.listener)
+            except OSError as e:  # out of descriptors: a moment, then on
+                if self.listener is None or self.listener.fileno() < 0:
+                    return
+                log.warning("relay: accepting on the TLS port failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            task = loop.create_task(self._handle(sock))
+            self._admit(sock, task)
+
+    def _admit(self, sock: socket.socket, task: asyncio.Task) -> None:
+        """Count a connection whose ClientHello is not in yet; close the oldest of its
+        address beyond the cap per address, and the oldest of all beyond PENDING_MAX."""
+        addr = socket_address(sock, True)[0]
+        mine = self.pending_by_addr.setdefault(addr, {})
+        mine[sock] = None
+        self.pending[sock] = (addr, task)
+        if len(mine) > self.config.relay_max_idle_per_address:
+            self._drop_pending(next(iter(mine)))
+        if len(self.pending) > PENDING_MAX:
+            self._drop_pending(next(iter(self.pending)))
+
+    def _drop_pending(self, sock: socket.socket) -> None:
+        entry = self._settled(sock)
+        if entry is not None:
+            entry[1].cancel()
+            self.counts["closed"] += 1
+
+    def _settled(self, sock: socket.socket):
+        """Stop counting a connection as waiting for its ClientHello."""
+        entry = self.pending.pop(sock, None)
+        if entry is not None:
+            mine = self.pending_by_addr.get(entry[0], {})
+            mine.pop(sock, None)
+            if not mine:
+                self.pending_by_addr.pop(entry[0], None)
+        return entry
+
+    async def _sweep(self) -> None:
+        """Close splices idle for SPLICE_IDLE_SECONDS and dials past their time."""
+        while True:
+            await asyncio.sleep(min(10.0, SPLICE_IDLE_SECONDS / 4))
+            now = time.monotonic()
+            for splices in list(self.splices.values()):
+                for splice in [s for s in splices if now - s.last > SPLICE_IDLE_SECONDS]:
+                    splice.close()
+            for token in [t for t, d in self.dials.items() if d.until < now]:
+                self._miss(self.dials.pop(token))
+
+    # -- a connection ------------------------------------------------------------------------
+
+    async def _handle(self, sock: socket.socket) -> None:
+        kept = False
+        try:
+            kept = await self._route(sock)
+        except (OSError, asyncio.TimeoutError, HelloError, ValueError) as e:
+            if log.isEnabledFor(10):
+                log.debug("relay: a TLS connection closed: %s", log_safe(str(e), 200))
+        except asyncio.CancelledError:
+            pass
+        except Exception:
+            log.exception("relay: a TLS connection failed")
+        finally:
+            self._settled(sock)
+            if not kept:
+                self.counts["closed"] += 1
+                with contextlib.suppress(OSError):
+                    sock.close()
+
+    async def _route(self, sock: socket.socket) -> bool:
+        """Read what a connection starts with and send it its way; return whether it was
+        kept (handed on) rather than closed."""
+        deadline = time.monotonic() + HELLO_SECONDS
+        client, local = socket_address(sock, True), socket_address(sock, False)
+        data = await self._peek(sock, b"", deadline)
+        if data[:1] in (b"P", b"\r") and is_trusted_proxy(self.config, client[0]):
+            while True:  # a trusted proxy's PROXY header (nginx stream: proxy_protocol on)
+                try:
+                    found = parse_proxy_header(data)
+                except ValueError:
+                    break  # none: an HTTP request from the proxy (PUT, POST...)
+                if found is not None:
+                    size, said = found
+                    _recv_exactly(sock, size)
+                    client = said or client
+                    data = await self._peek(sock, b"", deadline)
+                    break
+                data = await self._peek(sock, data, deadline)
+        if data[:1] != b"\x16":
+            if self.shared and data[:1].isalpha():  # an HTTP request on the shared port
+                self._settled(sock)
+                await self._http(sock, client, None)
+                return True
+            raise HelloError("not TLS")
+        while True:
+            found = client_hello_sni(data)
+            if found is not None:
+                break
+            data = await self._peek(sock, data, deadline)
+        size, name = found
+        server_id = self._server_of(name)
+        if server_id and self.hub.splices_to(server_id):
+            self._settled(sock)
+            return await self._splice(sock, server_id, _recv_exactly(sock, size), client, local)
+        ctx = self.context()
+        if ctx is not None and (name == self.domain or (server_id and self._wildcard)):
+            self._settled(sock)
+            await self._http(sock, client, ctx)
+            return True
+        raise HelloError(f"no server here for the name {name}")
+
+    def _server_of(self, name: str) -> str:
+        sid, dot, rest = name.partition(".")
+        if dot and rest == self.domain and len(sid) == 20 and sid.isalnum():
+            return sid
+        return ""
+
+    async def _peek(self, sock: socket.socket, seen: bytes, deadline: float) -> bytes:
+        """Return the bytes waiting on a socket, without taking them, once there are more
+        than `seen`; raise OSError at its end, TimeoutError past the deadline."""
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                data = sock.recv(MAX_HELLO_RAW, socket.MSG_PEEK)
+            except BlockingIOError:
+                data = None
+            if data == b"":
+                raise OSError("closed before its ClientHello")
+            if data is not None and len(data) > len(seen):
+                return data
+            if data is not None and len(data) >= MAX_HELLO_RAW:
+                raise HelloError("the ClientHello is spread over too many bytes")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise asyncio.TimeoutError()
+            waiting = len(data or b"")
+            # wake only for more bytes than are waiting now (SO_RCVLOWAT), not for those
+            lowat = self._rcvlowat and waiting > 0
+            if lowat:
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, waiting + 1)
+                except OSError:
+                    self._rcvlowat = lowat = False
+            ready = loop.create_future()
+            fd = sock.fileno()
+            loop.add_reader(fd, lambda f=ready: f.done() or f.set_result(None))
+            try:
+                if waiting and not lowat:  # (no SO_RCVLOWAT here: look again in a moment)
+                    await asyncio.sleep(0.02)
+                else:
+                    await asyncio.wait_for(ready, left)
+            finally:
+                loop.remove_reader(fd)
+                if lowat:
+                    with contextlib.suppress(OSError):
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+    async def _http(self, sock: socket.socket, client: tuple, ctx: ssl.SSLContext | None):
+        """Serve a connection as the relay's HTTP (TLS ended here when `ctx`)."""
+        loop = asyncio.get_running_loop()
+        scheme = "https" if ctx is not None else "http"
+
+        def factory() -> asyncio.StreamReaderProtocol:
+            reader = asyncio.StreamReader(limit=16384)
+            return asyncio.StreamReaderProtocol(
+                reader, lambda r, w: self.serve_http(r, w, client[0], scheme)
+            )
+
+        if ctx is not None:
+            self.counts["terminated"] += 1
+            await loop.connect_accepted_socket(
+                factory, sock, ssl=ctx, ssl_handshake_timeout=HELLO_SECONDS
+            )
+        else:
+            await loop.connect_accepted_socket(factory, sock)
+
+    # -- splices -----------------------------------------------------------------------------
+
+    async def _splice(
+        self, sock: socket.socket, server_id: str, hello: bytes, client: tuple, local: tuple
+    ) -> bool:
+        """Ask a server to dial in for this connection, and wait for it."""
+        waiting = [d for d in self.dials.values() if d.server_id == server_id]
+        if len(waiting) >= DIALS_PER_SERVER:
+            oldest = min(waiting, key=lambda d: d.until)
+            self._miss(oldest)
+        if len(self.splices.get(server_id, ())) >= SPLICES_PER_SERVER:
+            raise HelloError("that server has its most splices open")
+        token = secrets.token_urlsafe(24)
+        loop = asyncio.get_running_loop()
+        until = time.monotonic() + DIAL_SECONDS
+        dial = Dial(server_id, sock, hello, client, local, until, loop.create_future())
+        self.dials[token] = dial
+        queued = self.hub.dial(server_id, {"kind": "dial", "token": token, "client": client[0]})
+        if not queued:
+            self.dials.pop(token, None)
+            raise HelloError("that server is not connected, or its queue is full")
+        if isinstance(queued, str) and queued in self.dials:  # it took an older one's place
+            self._miss(self.dials[queued])
+        try:
+            return await asyncio.wait_for(dial.done, DIAL_SECONDS)
+        except asyncio.TimeoutError:
+            self.counts["dialsMissed"] += 1
+            return False
+        finally:
+            self.dials.pop(token, None)
+
+    def _miss(self, dial: Dial) -> None:
+        for token, d in list(self.dials.items()):
+            if d is dial:
+                del self.dials[token]
+        if not dial.done.done():
+            dial.done.set_result(False)  # its task closes the client's connection
+
+    def take_dial(self, server_id: str, token: str) -> Dial | None:
+        """Return the dial a token stands for (once: it is used up), or None for a wrong,
+        used or expired one."""
+        dial = self.dials.get(token)
+        if dial is None or dial.server_id != server_id or dial.until < time.monotonic():
+            return None
+        del self.dials[token]
+        if dial.done.done():
+            return None
+        return dial
+
+    async def join(self, dial: Dial, writer: asyncio.StreamWriter, early: bytes) -> None:
+        """Splice a dial's client to the data connection its server opened (`writer`'s,
+        just answered 101; `early`: bytes the server sent after its request)."""
+        splice = _Splice(self, dial.server_id)
+        splice.writer = writer  # (kept: a StreamWriter closes its transport when collected)
+        transport = writer.transport
+        self.splices.setdefault(dial.server_id, {})[splice] = None
+        transport.set_protocol(splice.server)
+        splice.server.connection_made(transport)
+        transport.write(proxy_v2_header(dial.client, dial.local) + dial.hello)
+        dial.done.set_result(True)  # the client's socket is the splice's from here
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.connect_accepted_socket(lambda: splice.client, dial.sock)
+        except OSError:
+            splice.close()
+            return
+        self.counts["spliced"] += 1
+        early += splice.server.early  # what the server sent before the client's side was up
+        if early:
+            splice.client.transport.write(early)
+
+    # -- the relay's own certificate ---------------------------------------------------------
+
+    def context(self) -> ssl.SSLContext | None:
+        """Return the SSLContext of the relay's own certificate for D (SERVICE_RELAY_TLS_CERT
+        and _KEY), made again when the files change (a renewal); None without one."""
+        cert, key = self.config.relay_tls_cert, self.config.relay_tls_key
+        if not cert:
+            return None
+        now = time.monotonic()
+        if self._context is not None and now - self._cert_checked < 60:
+            return self._context
+        self._cert_checked = now
+        try:
+            seen = (Path(cert).stat().st_mtime, Path(key or cert).stat().st_mtime)
+            if seen == self._cert_seen and self._context is not None:
+                return self._context
+            ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+            ctx.load_cert_chain(cert, key or None)
+            ctx.set_alpn_protocols(["http/1.1"])
+            names = certificate_names(Path(cert).read_text("ascii", "replace"))
+        except (OSError, ssl.SSLError) as e:
+            log.warning("relay: its certificate %s cannot be used: %s", cert, e)
+            return self._context
+        self._context, self._cert_seen = ctx, seen
+        self._wildcard = f"*.{self.domain}" in names
+        if self.domain not in names and not self._wildcard:
+            domain = self.domain
+            log.warning("relay: its certificate %s names neither %s nor *.%s", cert, domain, domain)
+        return ctx
+
+    def stats(self) -> dict:
+        return {
+            "waitingForHello": len(self.pending),
+            "waitingForDial": len(self.dials),
+            "splices": sum(len(s) for s in self.splices.values()),
+            **self.counts,
+        }
+
+
+def _recv_exactly(sock: socket.socket, size: int) -> bytes:
+    """Take `size` bytes already waiting on a socket (they were peeked at)."""
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise OSError("closed")
+        data += chunk
+    return data
+
+
+# == src/notesvc/passthrough/server.py ========================================
+# The home server's side of passthrough: dials, TLS in process, spliced waitress channels.
+
+SPLICED_MAX = 64  # spliced connections at once
+HANDSHAKE_SECONDS = 10.0  # a client's TLS handshake, from the dial on
+PUMP_HIGH_WATER = 256 * 1024  # bytes held toward one side before the other is not read
+
+
+@functools.lru_cache(maxsize=4)
+def spliced_channel_class(base: type) -> type:
+    """Return a subclass of waitress's channel class whose requests carry the spliced
+    connection's environ (`notesvc_environ`, set on the channel)."""
+
+    class SplicedTask(base.task_class):
+        def get_environment(self):
+            environ = super().get_environment()
+            environ.update(self.channel.notesvc_environ)
+            return environ
+
+    class SplicedChannel(base):
+        task_class = SplicedTask
+        notesvc_environ: ClassVar[dict] = {}  # (each channel gets its own at once)
+
+    return SplicedChannel
+
+
+class SplicedConnection:
+    """One client's connection through the relay: dial, handshake, pump (its own thread)."""
+
+    def __init__(self, owner: SpliceServer, token: str):
+        self.owner, self.token = owner, token
+        self.started = time.monotonic()
+        self.handshaken = False
+        self.link: socket.socket | None = None
+        self.client = ("", 0)
+        self._aborted = False
+
+    def abort(self) -> None:
+        """Close it from another thread (to make room)."""
+        self._aborted = True
+        link = self.link
+        if link is not None:
+            with contextlib.suppress(OSError):
+                link.shutdown(socket.SHUT_RDWR)
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except (OSError, ssl.SSLError, ValueError) as e:
+            if not self._aborted:
+                log.info("passthrough: a spliced connection ended: %s", log_safe(str(e), 200))
+        except Exception:
+            log.exception("passthrough: a spliced connection failed")
+        finally:
+            if self.link is not None:
+                with contextlib.suppress(OSError):
+                    self.link.close()
+            self.owner.forget(self)
+
+    def _run(self) -> None:
+        deadline = self.started + HANDSHAKE_SECONDS
+        link, rest = self.owner.open_dial(self.token, deadline)
+        self.link = link
+        if self._aborted:
+            return
+        while True:  # the PROXY v2 header the relay writes before the client's bytes
+            found = parse_proxy_header(rest)
+            if found is not None:
+                break
+            rest += _recv_by(link, deadline)
+        size, client = found
+        self.client = client or ("0.0.0.0", 0)
+        context = self.owner.context()
+        if context is None:
+            raise ValueError("no certificate in hand")
+        incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+        tls = context.wrap_bio(incoming, outgoing, server_side=True)
+        incoming.write(rest[size:])
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                pending = outgoing.read()
+                if pending:
+                    link.settimeout(max(0.01, deadline - time.monotonic()))
+                    link.sendall(pending)
+                incoming.write(_recv_by(link, deadline))
+        self.handshaken = True
+        ours, theirs = socket.socketpair()
+        try:
+            self.owner.hand_to_waitress(theirs, self.client)
+        except Exception:
+            ours.close()
+            theirs.close()
+            raise
+        try:
+            _pump(link, ours, tls, incoming, outgoing, lambda: self._aborted)
+        finally:
+            ours.close()
+            log.debug("passthrough: a spliced connection from %s closed", self.client[0])
+
+
+def _recv_by(sock: socket.socket, deadline: float) -> bytes:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise OSError("the handshake took too long")
+    sock.settimeout(left)
+    data = sock.recv(65536)
+    if not data:
+        raise OSError("the relay closed the data connection")
+    return data
+
+
+def _pump(link, pair, tls, incoming, outgoing, aborted: Callable) -> None:
+    """Move bytes until waitress closes its end: link (TLS records) <-> pair (plaintext).
+
+    The client's end (TLS close_notify, or the connection's) is passed on as the end of
+    the pair's stream, so waitress closes the channel; waitress's close is passed on as
+    close_notify, then the link is closed."""
+    link.setblocking(False)
+    pair.setblocking(False)
+    to_pair, to_link = bytearray(), bytearray(outgoing.read())
+    link_open, shut = True, False
+    sel = selectors.DefaultSelector()
+    interest: dict = {}
+    read, write = selectors.EVENT_READ, selectors.EVENT_WRITE
+
+    def want(sock, events: int) -> None:
+        had = interest.get(sock, 0)
+        if events == had:
+            return
+        if not events:
+            sel.unregister(sock)
+        elif had:
+            sel.modify(sock, events)
+        else:
+            sel.register(sock, events)
+        interest[sock] = events
+
+    def decrypt() -> None:
+        nonlocal link_open
+        while True:
+            try:
+                to_pair.extend(tls.read(65536))
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:  # the client's close_notify
+                link_open = False
+                break
+        to_link.extend(outgoing.read())  # (TLS 1.3 tickets, key updates)
+
+    def from_link() -> None:
+        nonlocal link_open
+        while link_open:
+            try:
+                data = link.recv(65536)
+            except (BlockingIOError, ssl.SSLWantReadError):
+                return
+            if not data:
+                link_open = False
+                return
+            incoming.write(data)
+            decrypt()
+            if not getattr(link, "pending", lambda: 0)():  # (an https link's own buffer)
+                return
+
+    decrypt()  # what came with the client's last handshake message (its first request)
+    try:
+        while not aborted():
+            if not link_open and not to_pair and not shut:
+                pair.shutdown(socket.SHUT_WR)  # waitress reads the end and closes
+                shut = True
+            want(link, (read if link_open and len(to_pair) < PUMP_HIGH_WATER else 0)
+                 | (write if to_link else 0))  # fmt: skip
+            want(pair, (read if len(to_link) < PUMP_HIGH_WATER else 0)
+                 | (write if to_pair and not shut else 0))  # fmt: skip
+            for key, events in sel.select(1.0):
+                if key.fileobj is link:
+                    if events & read:
+                        from_link()
+                    if events & write and to_link:
+                        with contextlib.suppress(BlockingIOError, ssl.SSLWantWriteError):
+                            del to_link[: link.send(to_link)]
+                    continue
+                if events & write and to_pair:
+                    with contextlib.suppress(BlockingIOError):
+                        del to_pair[: pair.send(to_pair)]
+                if events & read:
+                    try:
+                        data = pair.recv(65536)
+                    except BlockingIOError:
+                        continue
+                    if not data:  # waitress closed the channel: close_notify, then done
+                        with contextlib.suppress(ssl.SSLError):
+                            tls.unwrap()
+                        to_link.extend(outgoing.read())
+                        _flush(link, to_link)
+                        return
+                    tls.write(data)
+                    to_link.extend(outgoing.read())
+    finally:
+        sel.close()
+
+
+def _flush(link, data: bytearray) -> None:
+    """Send what is left toward the client, for a second at most."""
+    if not data:
+        return
+    link.settimeout(1.0)
+    with contextlib.suppress(OSError):
+        link.sendall(bytes(data))
+
+
+class SpliceServer:
+    """Dials in for the relay's clients and serves them through waitress (see the module
+    docstring). `listener`: waitress's listening server (its map, adjustments, trigger)."""
+
+    def __init__(self, relay_url: str, listener: Any, token: Callable, server_id: Callable):
+        self.relay_url, self.listener = relay_url, listener
+        self.relay_token, self.server_id = token, server_id
+        self.origin = ""
+        self._context: ssl.SSLContext | None = None
+        self._lock = threading.Lock()
+        self.live: list = []  # SplicedConnection, oldest first
+        self.refused = 0
+        self.dialed = 0  # dials answered (a data connection opened)
+        self.served = 0  # of them, handshakes done (a channel handed to waitress)
+        self._refused_said = 0.0
+
+    def context(self) -> ssl.SSLContext | None:
+        return self._context
+
+    def use(self, context: ssl.SSLContext | None, origin: str) -> None:
+        """Serve with this certificate (None: none in hand) on this origin from now on."""
+        self._context, self.origin = context, origin
+
+    def dial(self, message: dict) -> None:
+        """Dial in for a client the relay holds (a poll's `{kind: dial, token, client}`)."""
+        token = message.get("token")
+        if not isinstance(token, str) or not 16 <= len(token) <= 128 or self._context is None:
+            return
+        conn = self._room()
+        if conn is None:
+            self.refused += 1
+            now = time.monotonic()
+            if now - self._refused_said > 60:
+                self._refused_said = now
+                log.warning(
+                    "passthrough: %d spliced connections are open, all past their handshake: "
+                    "a client was not served (the relay closes it)",
+                    SPLICED_MAX,
+                )
+            return
+        conn.token = token
+        self.dialed += 1
+        threading.Thread(target=conn.run, name="notesvc-spliced", daemon=True).start()
+
+    def _room(self) -> SplicedConnection | None:
+        """Return a new connection counted in `live`, making room by closing the oldest
+        one still in its handshake when SPLICED_MAX are open (None: all are past it)."""
+        with self._lock:
+            if len(self.live) >= SPLICED_MAX:
+                waiting = [c for c in self.live if not c.handshaken]
+                if not waiting:
+                    return None
+                self.live.remove(waiting[0])
+                waiting[0].abort()
+            conn = SplicedConnection(self, "")
+            self.live.append(conn)
+            return conn
+
+    def forget(self, conn: SplicedConnection) -> None:
+        with self._lock:
+            if conn in self.live:
+                self.live.remove(conn)
+
+    def stop(self) -> None:
+        with self._lock:
+            live = list(self.live)
+        for conn in live:
+            conn.abort()
+
+    def open_dial(self, token: str, deadline: float) -> tuple:
+        """Open the data connection and ask the relay for the splice; return (socket,
+        bytes already read after the 101)."""
+        parts = urllib.parse.urlsplit(self.relay_url)
+        https = parts.scheme == "https"
+        port = parts.port or (443 if https else 80)
+        sock = socket.create_connection(
+            (parts.hostname, port), timeout=max(0.5, deadline - time.monotonic())
+        )
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if https:
+            try:
+                sock = ssl.create_default_context().wrap_socket(
+                    sock, server_hostname=parts.hostname
+                )
+            except (OSError, ssl.SSLError):
+                sock.close()
+                raise
+        path = f"{parts.path.rstrip('/')}/relay/v1/dial/{self.server_id()}/{token}"
+        request = (
+            f"POST {path} HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+            f"User-Agent: notesvc/{__version__}\r\nX-Relay-Token: {self.relay_token()}\r\n"
+            f"Connection: Upgrade\r\nUpgrade: {SPLICE_UPGRADE}\r\nContent-Length: 0\r\n\r\n"
+        )
+        try:
+            sock.sendall(request.encode("latin-1"))
+            head = b""
+            while b"\r\n\r\n" not in head:
+                if len(head) > 16384:
+                    raise ValueError("the relay's answer to a dial has no end")
+                head += _recv_by(sock, deadline)
+        except BaseException:
+            sock.close()
+            raise
+        head, _, rest = head.partition(b"\r\n\r\n")
+        status = head.split(b"\r\n", 1)[0]
+        if not status.startswith(b"HTTP/1.1 101"):
+            sock.close()
+            raise ValueError(f"the relay refused the dial: {status.decode('latin-1')[:80]}")
+        return sock, rest
+
+    def hand_to_waitress(self, sock: socket.socket, client: tuple) -> None:
+        """Give waitress one end of the socket pair as a channel of its own (made on its
+        own thread: the trigger runs it in the loop that owns the map)."""
+        listener = self.listener
+        cls = spliced_channel_class(listener.channel_class)
+        environ = {
+            "wsgi.url_scheme": "https",
+            "HTTPS": "on",
+            "notesvc.relayed": True,
+            "notesvc.spliced": True,
+            "notesvc.relay_origin": self.origin,
+        }
+
+        def make() -> None:
+            try:
+                channel = cls(listener, sock, (client[0], client[1]), listener.adj, listener._map)
+            except OSError:
+                sock.close()
+                return
+            channel.notesvc_environ = environ
+
+        listener.trigger.pull_trigger(make)
+        self.served += 1
+
+    def status(self) -> dict:
+        with self._lock:
+            live = list(self.live)
+        return {
+            "open": len(live),
+            "handshaking": sum(1 for c in live if not c.handshaken),
+            "max": SPLICED_MAX,
+            "dialed": self.dialed,
+            "served": self.served,
+            "refused": self.refused,
+        }
+
+
+# -- the mode: certificate, registration, status ----------------------------------------------
+
+
+class TerminatedCount:
+    """Requests that came through a terminating path of the relay (its long-poll: the
+    path-based /r/<id> and per-server origins), per UTC day, the last 7 days kept."""
+
+    def __init__(self):
+        self.days: dict = {}
+        self._lock = threading.Lock()
+
+    def add(self) -> None:
+        day = utcnow().strftime("%Y-%m-%d")
+        with self._lock:
+            self.days[day] = self.days.get(day, 0) + 1
+            if len(self.days) > 7:
+                for old in sorted(self.days)[:-7]:
+                    del self.days[old]
+
+    def last_week(self) -> int:
+        with self._lock:
+            return sum(self.days.values())
+
+
+class Passthrough:
+    """Passthrough for one server's relay link: its certificate, its splices, its state.
+
+    `call(method, path, body)` is the relay link's (RelayClient._call); `register()`
+    registers again (a certificate came or went).
+    """
+
+    def __init__(self, svc: Any, listener: Any, call: Callable, register: Callable):
+        self.svc, self.call, self.register = svc, call, register
+        cfg = svc.config
+        self.offered = False
+        self.active = False  # registered with passthrough: true, and the relay said so
+        self.origin = ""
+        self.reason = ""  # why it is off, when it is
+        self.keeper: CertKeeper | None = None
+        self.splicer: SpliceServer | None = None
+        self.terminated = TerminatedCount()
+        if not has_cryptography():
+            self.reason = (
+                "passthrough needs the cryptography package (sudo apt install "
+                "python3-cryptography, or pip install cryptography)"
+            )
+        elif listener is None:
+            self.reason = "passthrough needs waitress (sudo apt install python3-waitress)"
+        else:
+            self.splicer = SpliceServer(
+                cfg.relay_url,
+                listener,
+                lambda: svc.state.read()["relayToken"],
+                lambda: svc.state.read()["serverId"],
+            )
+            self.keeper = CertKeeper(
+                TlsFolder(cfg.state_dir),
+                cfg.acme_directory or LETS_ENCRYPT,
+                cfg.acme_ca_file,
+                cfg.acme_email,
+                self._publish,
+                self._withdraw,
+                self._changed,
+            )
+
+    def wanted(self) -> bool:
+        """Return whether to register with `passthrough: true`: a certificate in hand."""
+        return self.keeper is not None and self.keeper.context() is not None
+
+    def learn(self, info: dict, server_id: str) -> str:
+        """Take what the relay said of itself (`/relay/v1/info`); return this server's
+        passthrough origin when it is in use, else ""."""
+        offered = bool(info.get("passthrough")) and bool(info.get("domain"))
+        if offered and not self.offered:
+            log.info("relay: it offers passthrough (TLS ends on this server)")
+            if self.reason:
+                log.warning("relay: %s; staying off", self.reason)
+        self.offered = offered
+        if not offered or self.keeper is None:
+            self.active = False
+            return ""
+        domain = str(info["domain"]).lower()
+        port = info.get("tlsPort")
+        port = port if isinstance(port, int) and 0 < port < 65536 else 443
+        self.origin = f"https://{server_id}.{domain}" + ("" if port == 443 else f":{port}")
+        self.keeper.start(f"{server_id}.{domain}")
+        if self.splicer is not None:
+            self.splicer.use(self.keeper.context(), self.origin)
+        return self.origin if self.active else ""
+
+    def registered(self, asked: bool, answer: dict) -> None:
+        """Note the relay's answer to a registration that asked for passthrough or not."""
+        self.active = asked and bool(answer.get("passthrough"))
+
+    def dial(self, message: dict) -> None:
+        if self.splicer is not None:
+            self.splicer.dial(message)
+
+    def stop(self) -> None:
+        if self.keeper is not None:
+            self.keeper.stop()
+        if self.splicer is not None:
+            self.splicer.stop()
+
+    def _publish(self, values: list) -> None:
+        sid = self.svc.state.read()["serverId"]
+        status, answer = self.call("PUT", f"/relay/v1/acme/{sid}", {"values": values})
+        if status != 200:
+            said = answer.get("error", {}).get("message", "") if isinstance(answer, dict) else ""
+            raise AcmeError(f"the relay did not publish the challenge: HTTP {status} {said}")
+
+    def _withdraw(self) -> None:
+        sid = self.svc.state.read()["serverId"]
+        self.call("DELETE", f"/relay/v1/acme/{sid}")
+
+    def _changed(self) -> None:
+        """A certificate came (or the one in hand expired): serve with it, register again."""
+        if self.splicer is not None and self.keeper is not None:
+            self.splicer.use(self.keeper.context(), self.origin)
+        threading.Thread(target=self._register_again, daemon=True).start()
+
+    def _register_again(self) -> None:
+        try:
+            self.register()
+        except Exception as e:  # the link's own loop registers again soon anyway
+            log.warning("relay: registering again after a certificate change failed: %s", e)
+
+    def status(self) -> dict:
+        """What /system/info and the audit say of passthrough."""
+        if not self.offered:
+            state = "not offered"
+        elif self.reason:
+            state = "unavailable"
+        elif self.active:
+            state = "active"
+        else:
+            state = "starting" if self.keeper.state != "error" else "error"
+        return {
+            "state": state,
+            "reason": self.reason or None,
+            "origin": self.origin or None,
+            "certificate": self.keeper.status()
+            if self.keeper is not None and self.offered
+            else None,
+            "spliced": self.splicer.status() if self.splicer is not None else None,
+            "terminatedLast7Days": self.terminated.last_week(),
+            "checkedAt": iso(utcnow()),
+        }
+
+
 # == src/notesvc/audit.py =====================================================
 # The security audit: AUDIT_CHECKS and the score.
 
@@ -21818,12 +25935,39 @@ def check_plain_http_upstreams(svc: Service) -> list:
     return out
 
 
+def passthrough_status(svc: Service) -> dict | None:
+    """Return what the relay link says of passthrough (None: no link, or it is off)."""
+    client = svc.relay_client
+    return client.status().get("passthrough") if client is not None else None
+
+
 @audit_check
 def check_relay_in_transit(svc: Service) -> list:
     cfg = svc.config
     host = urllib.parse.urlsplit(cfg.relay_url).hostname or ""
     if cfg.pairing != "relay" or not cfg.relay_url or is_loopback(host) or host == "localhost":
         return []
+    passthrough = passthrough_status(svc) or {}
+    readable = passthrough.get("terminatedLast7Days", 0)
+    if passthrough.get("state") == "active":
+        cert = (passthrough.get("certificate") or {}).get("certificate") or {}
+        origin = passthrough.get("origin")
+        return [
+            finding(
+                "relay-passthrough",
+                "info",
+                "TLS ends on this server: the relay forwards encrypted bytes (passthrough)",
+                f"Clients reach this server at {origin} through the relay at {host}, which "
+                "cannot read the key or the notes there; it learns addresses, server ids, "
+                f"timing and sizes. The certificate is valid until {cert.get('notAfter')} and "
+                f"is renewed from {cert.get('renewAt')}. {readable} request(s) in the last 7 "
+                "days came by the relay's other paths (path-based links, connectors set up "
+                "before, its per-server origin), where TLS ends at the relay.",
+                f"Open the server at {origin}, and connect devices and connectors again "
+                "there: then nothing crosses the relay in the clear.",
+            )
+        ]
+    offered = passthrough.get("state") not in (None, "not offered")
     return [
         finding(
             "relay-sees-transit",
@@ -21831,8 +25975,60 @@ def check_relay_in_transit(svc: Service) -> list:
             "Requests pass through a relay on another machine",
             f"The relay at {host} stores nothing at rest, but TLS ends there: whoever runs it "
             "could read the key and the notes in transit, and it learns addresses, server "
-            "ids, timing and sizes. Losing it costs availability only.",
-            "Run your own relay (python3 notesvc.py relay) or use one run by someone you trust.",
+            "ids, timing and sizes. Losing it costs availability only."
+            + (
+                f" It offers passthrough, which is {passthrough.get('state')} here"
+                f"{': ' + passthrough['reason'] if passthrough.get('reason') else ''}."
+                if offered
+                else ""
+            ),
+            "Run your own relay (python3 notesvc.py relay) or use one run by someone you "
+            "trust, or one that offers passthrough (SERVICE_RELAY_TLS=passthrough), where "
+            "TLS ends on this server.",
+        )
+    ]
+
+
+@audit_check
+def check_passthrough_certificate(svc: Service) -> list:
+    """A passthrough certificate that cannot be renewed, or is near its end."""
+    passthrough = passthrough_status(svc)
+    if passthrough is not None:
+        keeper = passthrough.get("certificate") or {}
+        cert = keeper.get("certificate") or {}
+        if keeper.get("state") != "error":
+            return []
+        severity = "medium" if cert else "high"
+        return [
+            finding(
+                "passthrough-certificate",
+                severity,
+                "The certificate for passthrough cannot be obtained or renewed",
+                f"The ACME CA ({keeper.get('acmeDirectory')}) said: {keeper.get('lastError')}. "
+                f"Next try at {keeper.get('nextAttemptAt')}. "
+                + (
+                    f"The certificate in hand keeps serving until {cert.get('notAfter')}."
+                    if cert
+                    else "Until one is in hand, clients reach this server only by the "
+                    "relay's terminating paths."
+                ),
+                "Check that the relay answers DNS for its domain (the domain delegated to "
+                "it) and that SERVICE_ACME_DIRECTORY is reachable from here.",
+            )
+        ]
+    facts = TlsFolder(svc.config.state_dir).facts()  # `audit` beside a server: the file
+    if not facts or facts["notAfter"] - time.time() > 14 * 86400:
+        return []
+    ended = facts["notAfter"] <= time.time()
+    return [
+        finding(
+            "passthrough-certificate",
+            "medium" if ended else "low",
+            "The certificate for passthrough " + ("has expired" if ended else "expires soon"),
+            f"{svc.config.state_dir / 'tls'} holds one for {', '.join(facts['names'])} until "
+            f"{iso(facts['notAfter'])}; a running server renews it from two thirds of its "
+            "lifetime on, and says why it could not in /system/info.",
+            "Look at the server's /system/info (connection.passthrough) and its log.",
         )
     ]
 
@@ -23328,6 +27524,137 @@ dialog ol {
   margin-top: 0.5rem;
   min-height: 44px;
 }
+/* -- people: who is signed in, homes and shared folders in the tree, Share…, People -- */
+#who strong {
+  font-size: 1rem;
+}
+#tree .shareable {
+  position: relative;
+}
+#tree .shareable > .dir {
+  padding-right: 2.75rem;
+}
+#tree .share {
+  position: absolute;
+  top: 0;
+  right: 0;
+  width: auto;
+  color: var(--muted);
+}
+@media (hover: hover) and (pointer: fine) {
+  #tree .share {
+    opacity: 0;
+  }
+  #tree .dir:hover ~ .share,
+  #tree .share:hover,
+  #tree .share:focus-visible {
+    opacity: 1;
+  }
+}
+#tree .share.on {
+  opacity: 1;
+  color: var(--accent);
+}
+#tree .by,
+#note-shared {
+  display: block;
+  font-weight: 400;
+  font-size: 0.8rem;
+  color: var(--muted);
+}
+#tree .list-head {
+  margin-top: 1rem;
+}
+.avatar {
+  display: inline-grid;
+  place-items: center;
+  flex: none;
+  width: 1.8rem;
+  height: 1.8rem;
+  border-radius: 50%;
+  background: var(--me);
+  font-weight: 700;
+  font-size: 0.85rem;
+}
+.recent-note .avatar {
+  width: 1.3rem;
+  height: 1.3rem;
+  margin-right: 0.3rem;
+  font-size: 0.7rem;
+}
+.chips {
+  list-style: none;
+  display: flex;
+  flex-wrap: wrap;
+  gap: 0.4rem;
+  padding: 0;
+}
+.chips li {
+  display: flex;
+  align-items: center;
+  gap: 0.35rem;
+  padding: 0.2rem;
+  border: 1px solid var(--line);
+  border-radius: 999px;
+  background: var(--surface);
+}
+.chips li.muted {
+  border: 0;
+  background: none;
+}
+.chips small {
+  color: var(--muted);
+  padding-right: 0.5rem;
+}
+dialog .chips select {
+  width: auto;
+  margin: 0;
+  min-height: 36px;
+  padding: 0 0.3rem;
+  border: 0;
+  background: none;
+  color: var(--muted);
+}
+dialog .row input[type="text"],
+dialog .row select {
+  flex: 1;
+  margin: 0;
+}
+.chips button {
+  min-width: 36px;
+  border-radius: 50%;
+}
+#people-list > li {
+  display: grid;
+  grid-template-columns: minmax(0, 1fr);
+  gap: 0.3rem;
+}
+#people-list .actions button {
+  padding: 0.35rem 0.55rem;
+  font-size: 0.9rem;
+}
+#people-list .who {
+  display: grid;
+  grid-template-columns: auto 1fr;
+  column-gap: 0.5rem;
+  align-items: center;
+}
+#people-list .avatar {
+  grid-row: span 2;
+}
+#people-list .actions {
+  margin: 0;
+  flex-wrap: wrap;
+}
+.held {
+  list-style: none;
+  padding: 0 0 0 2.3rem;
+  font-size: 0.9rem;
+}
+dialog .list .held li {
+  border: 0;
+  padding: 0;
+}
 """[1:]
 # --- end web/app.css ---
 
@@ -23644,11 +27971,15 @@ const core = (() => {
       try {
         v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
         setItem("local", "notesvc.grant", JSON.stringify(v.data.grant || null));
+        // who is signed in, and what a person reaches: the menu and the tree, offline too
+        const {person, reach} = v.data;
+        setItem("local", "notesvc.who", JSON.stringify({person, reach}));
       } catch (e) {
         if (offline.unreachable(e) && offline.offlineOn() && state.keyBase === state.base) {
           // out of reach, and this device keeps the notes: open them from the copy
           const grant = JSON.parse(getItem("local", "notesvc.grant") || "null");
-          v = {data: {grant, setupComplete: true}};
+          const who = JSON.parse(getItem("local", "notesvc.who") || "{}");
+          v = {data: {...who, grant, setupComplete: true}};
         } else if (e.status === 404) {
           state.base = "";
           removeItem("local", "notesvc.base");
@@ -23667,7 +27998,7 @@ const core = (() => {
           throw e;
         }
       }
-      grants.applyGrant(v.data.grant); // a scoped key: only what it may do
+      grants.applyGrant(v.data.grant, v.data); // a scoped key, a person: only what it may do
       if (!v.data.setupComplete && !v.data.grant && v.data.linkHere !== false) {
         // Not asked away from the server and its home network (linkHere false; the link
         // would be 403): the key still works, and setup waits for the server's own `pair`
@@ -23775,11 +28106,12 @@ const core = (() => {
     const items = (data.children || []).map(treeItem);
     ul.replaceChildren(...items.map((i) => i.li));
     if (!items.length) {
+      const top = folder === "notes" || (state.person && folder === state.person.home);
       ul.appendChild(
         markdown.el(
           "li",
           {class: "empty"},
-          folder === "notes" ? "No notes yet: start one with New note." : "Empty folder",
+          top ? "No notes yet: start one with New note." : "Empty folder",
         ),
       );
     }
@@ -23806,11 +28138,13 @@ const core = (() => {
       li.appendChild(b);
       return {li};
     }
+    // under its name: who shared it, whose home it is (people.js)
+    const by = people.label(node.path);
     const b = markdown.el(
       "button",
       {type: "button", class: "dir", "aria-expanded": "false", "data-path": node.path},
       markdown.el("span", {class: "caret", "aria-hidden": "true"}),
-      markdown.el("span", {}, node.name),
+      markdown.el("span", {}, node.name, by && markdown.el("small", {class: "by"}, by)),
       node.count === undefined ? null : markdown.el("span", {class: "count"}, String(node.count)),
     );
     if (node.count !== undefined)
@@ -23818,6 +28152,15 @@ const core = (() => {
     const sub = markdown.el("ul");
     sub.hidden = true;
     li.append(b, sub);
+    if (people.mayShare(node.path)) {
+      // (after the folder's list, placed on its row: `.dir + ul` stays the folder's own)
+      li.classList.add("shareable");
+      const share = () => people.shareFolder(node.path);
+      const on = people.sharedOwn(node.path) ? " on" : ""; // (shown: it is shared)
+      const attrs = {type: "button", class: "share" + on, title: "Share…", onclick: act(share)};
+      const icon = $("t-share").content.firstElementChild.cloneNode(true);
+      li.append(markdown.el("button", {...attrs, "aria-label": "Share " + node.name + "…"}, icon));
+    }
     const expand = async () => {
       b.setAttribute("aria-expanded", "true");
       sub.hidden = false;
@@ -23851,7 +28194,9 @@ const core = (() => {
   async function loadTree() {
     loadRecent().catch(() => {});
     const ul = markdown.el("ul");
-    await fillFolder("notes", ul);
+    await people.refresh(); // the owner's people, what is shared: the labels and Share…
+    // a person's top level: their home, then what is shared with them
+    if (!(await people.fillTop(ul))) await fillFolder("notes", ul);
     const focused =
       $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
     $("tree").replaceChildren(ul);
@@ -23892,7 +28237,7 @@ const core = (() => {
           },
           markdown.el("strong", {}, n.title || paths.nameOf(n.path)),
           markdown.el("span", {class: "preview"}, n.preview || ""),
-          markdown.el("small", {class: "muted"}, ago(n.modified)),
+          markdown.el("small", {class: "muted"}, people.mark(n.path), ago(n.modified)),
         ),
       ),
     );
@@ -23958,6 +28303,7 @@ const core = (() => {
     state,
     showPane,
     toast,
+    treeItem,
   };
 })();
 """[1:]
@@ -24439,7 +28785,8 @@ OUTBOX_JS = r"""
 // the version it started from), "create" {local, folder, content} (a new note, named by
 // the server; `local` stands for its path until then), "capture" {text, files, at} (today's
 // note: the capture box, the share sheet), "upload" {path, note, file} (a photo or file put
-// into a note offline: sent before the edit that links it, named `path` unless taken).
+// into a note offline: sent before the edit that links it, named `path` unless taken),
+// "voice" {file, at} (a recording: its note is made when it is sent, record.js).
 
 // Queue a save; an unsent save of the same note takes the new text (it keeps the version
 // the edits started from), and so does the unsent create of a note not sent yet.
@@ -24474,6 +28821,12 @@ const outbox = (() => {
     return [...items, item];
   }
 
+  // A voice note recorded with no connection: its audio (a Blob) and when it was made; `key`
+  // is the Idempotency-Key the page may have sent it with already (the answer lost).
+  function queueVoice(items, file, key, at, newId) {
+    return [...items, {id: newId(), kind: "voice", key: key || newId(), file, at}];
+  }
+
   // A file for the note `note` (its path, or a new note's local name), to be kept as `path`.
   function queueUpload(items, path, note, file, newId) {
     return [...items, {id: newId(), kind: "upload", key: newId(), path, note, file}];
@@ -24498,7 +28851,10 @@ const outbox = (() => {
 
   // What waits in uploads, in bytes.
   function uploadBytes(items) {
-    return items.reduce((n, i) => n + (i.kind === "upload" ? i.file.size || 0 : 0), 0);
+    return items.reduce(
+      (n, i) => n + (i.kind === "upload" || i.kind === "voice" ? i.file.size || 0 : 0),
+      0,
+    );
   }
 
   // The item sent: gone from the queue. A create's answer gives the note its path: later
@@ -24546,6 +28902,7 @@ const outbox = (() => {
     queueCreate,
     queueSave,
     queueUpload,
+    queueVoice,
     relink,
     settle,
     uploadBytes,
@@ -25697,6 +30054,8 @@ const app = (() => {
     $("status").className = "";
     $("about").disabled = false;
     $("about-label").textContent = "About this note: " + state.title;
+    people.noteLine(rec.path); // "Shared by Ann"
+    grants.noteActions(); // none that write in a folder shared to read only
     core.setItem("session", "notesvc.open", rec.path);
   }
 
@@ -27077,10 +31436,7 @@ const app = (() => {
     }
     $("menu-trash").hidden = !core.features.history;
     $("history").hidden = !core.features.history;
-    $("attach").hidden = !core.features.attachments || !grants.writable();
-    $("photo").hidden =
-      // a camera
-      !core.features.attachments || !grants.writable() || !matchMedia("(pointer: coarse)").matches;
+    grants.noteActions();
   }
 
   // -- search ----------------------------------------------------------------------------------
@@ -27596,26 +31952,39 @@ WEB_GRANTS_JS = r"""
 const grants = (() => {
   const {$, state} = core;
   const {el} = markdown;
-  function writable() {
-    return !state.grant || state.grant.scope !== "read";
+  // Whether this grant writes at a path (the open note's by default): not a read key, nor
+  // a folder shared with this person to read only.
+  function writable(path) {
+    if (state.grant && state.grant.scope === "read") return false;
+    const at = path === undefined ? state.path : path;
+    return !at || people.scopeAt(at) !== "read";
   }
 
-  function ownerLike() {
+  // Every scope and no folder: the owner's key and devices, and a person's admin device
+  // (whose admin is their own devices, keys and apps: people.js tells the two apart).
+  function admin() {
     return !state.grant || (state.grant.scope === "admin" && !state.grant.folder);
   }
 
-  function applyGrant(grant) {
+  const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
+  function scopeText(g) {
+    return (SCOPE_TEXT[g.scope] || g.scope) + (g.folder ? " · only " + g.folder : "");
+  }
+
+  // What this grant may do shapes the page; `who` is /auth/verify's answer (person, reach).
+  function applyGrant(grant, who) {
     state.grant = grant || null;
-    const owner = ownerLike();
+    people.applyWho(who || {grant});
+    const all = admin();
     const write = writable();
     for (const id of ["edit", "new", "empty-new", "menu-new", "move", "delete"]) {
       $(id).hidden = !write;
     }
-    const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
+    const daily = all || !state.grant.folder || state.grant.folder === "notes/daily";
     $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
-    $("menu-keys").hidden = !owner;
-    $("menu-telegram").hidden = !owner;
-    $("menu-tasks").hidden = !owner;
+    $("menu-keys").hidden = !all;
+    $("menu-telegram").hidden = !all || !!state.person; // the bot is the server's
+    $("menu-tasks").hidden = !all;
     $("menu-import").hidden = !write;
     $("share").hidden = !write;
     if (!write) {
@@ -27624,6 +31993,14 @@ const grants = (() => {
     }
     $("app").dataset.scope = state.grant ? state.grant.scope : "admin";
     if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
+  }
+
+  // The open note's own actions: none that write in a folder shared to read only.
+  function noteActions() {
+    const w = writable();
+    for (const id of ["edit", "move", "delete"]) $(id).hidden = !w;
+    $("attach").hidden = !w || !core.features.attachments;
+    $("photo").hidden = $("attach").hidden || !matchMedia("(pointer: coarse)").matches; // a camera
   }
 
   // Copy: the Clipboard API where the page is a secure context, else (plain HTTP on a home
@@ -27667,8 +32044,6 @@ const grants = (() => {
       el("button", {type: "button", onclick: () => copyText(value, label, input)}, "Copy"),
     );
   }
-
-  const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
 
   // Who made a grant or a share link (its createdBy): the owner, the command line on the
   // server, or a grant (an admin device) by id, named when it is still listed. Null (made
@@ -27875,11 +32250,14 @@ const grants = (() => {
           },
           "Add a device",
         ),
-        el(
-          "button",
-          {type: "button", id: "add-folder", onclick: core.act(() => devices.addDevice(true))},
-          "Give someone a folder",
-        ),
+        // (a person's devices are theirs: others join as people)
+        state.person
+          ? null
+          : el(
+              "button",
+              {type: "button", id: "add-folder", onclick: core.act(() => devices.addDevice(true))},
+              "Give someone a folder",
+            ),
       ),
       el("h3", {}, "Keys"),
       keyList,
@@ -27988,7 +32366,17 @@ const grants = (() => {
       core.act(() => shareNote()),
     );
   }
-  return {RELAY_HINT, writable, applyGrant, shownOnce, showKeys, wireGrants};
+  return {
+    RELAY_HINT,
+    admin,
+    applyGrant,
+    noteActions,
+    scopeText,
+    shownOnce,
+    showKeys,
+    wireGrants,
+    writable,
+  };
 })();
 """[1:]
 # --- end web/grants.js ---
@@ -28311,6 +32699,12 @@ const offline = (() => {
       const {data} = await core.api("POST", "/notes", body, once);
       await mirrorPut(data);
       return data;
+    }
+    if (item.kind === "voice") {
+      // a recording made with no connection (record.js): its note is made now
+      const {data} = await core.api("POST", "/capture/voice", item.file, once);
+      core.toast("A voice note kept on this device was saved: " + paths.nameOf(data.path));
+      return {};
     }
     if (item.kind === "capture") {
       const files = [];
@@ -28649,7 +33043,7 @@ SW_JS = r"""
 // where the page reads and writes them; this worker only adds shared items to the outbox.
 
 const APP = "notesvc-app";
-const SHELL = ["./", "manifest.webmanifest", "icon.svg", "icon-192.png", "icon-512.png"];
+const SHELL = ["./", "manifest.webmanifest", "icon.svg", "icon-192.png", "icon-512.png", "record.js"];
 
 self.addEventListener("install", (event) => {
   event.waitUntil(caches.open(APP).then((cache) => cache.addAll(SHELL)));
@@ -29027,7 +33421,9 @@ const devices = (() => {
     return "Only this computer opens " + made.origin + ": start the server with --host 0.0.0.0.";
   }
 
-  async function showPairing(made) {
+  // The code to scan, until it is used (or closed); then `after` (the keys screen). `title`
+  // and `intro`: a person's first device (people.js) says whose it is.
+  async function showPairing(made, after, title, intro) {
     const until = new Date(made.expiresAt);
     const reach = el(
       "p",
@@ -29042,8 +33438,8 @@ const devices = (() => {
         ".",
     );
     const shown = app.dialog(
-      "Scan to join",
-      [...pairingView(made, "join this server"), reach, status],
+      title || "Scan to join",
+      [intro, ...pairingView(made, "join this server"), reach, status].filter(Boolean),
       [["cancel", "Done"]],
     );
     let watching = true;
@@ -29060,7 +33456,7 @@ const devices = (() => {
       }
     }
     await shown;
-    return grants.showKeys();
+    return (after || grants.showKeys)();
   }
 
   // -- tasks on a phone: everything a tasks app asks for, in one place ------------------------
@@ -29373,6 +33769,7 @@ const devices = (() => {
     dialogProblem,
     offerSetup,
     pairingInUrl,
+    showPairing,
     showTasks,
     showTelegram,
     wireDevices,
@@ -29380,6 +33777,481 @@ const devices = (() => {
 })();
 """[1:]
 # --- end web/devices.js ---
+# --- begin web/people.js ---
+WEB_PEOPLE_JS = r"""
+// -- people: who is signed in, the owner's People, Share… on a folder, Shared with me ------
+// A household on one server (docs/api.md: People). The owner (the server key, the owner's
+// devices) sees everything and adds people; a person sees their home and the folders
+// shared with them, and shares folders of their home. /auth/verify says who is signed in
+// (`person`, `reach`); the tree's top level for a person is their home, then the folders
+// shared with them with who shared them (GET /shared).
+// One name, people: what the other files call (applyWho, scopeAt, fillTop, label, ...).
+
+const people = (() => {
+  const {$, state} = core;
+  const {el} = markdown;
+  const SCOPE = {write: "can edit", read: "view only"};
+  let known = []; // the owner's people (GET /people): whom a folder may be shared with
+  state.shared = []; // the folders shared with this person: [{path, scope, sharedBy}]
+  state.shares = []; // this one's own folders that are shared: [{path, members}]
+
+  const inside = (path, folder) => path === folder || path.startsWith(folder + "/");
+
+  // The owner of the server: no person, every scope, no folder of its own.
+  function owner() {
+    return !state.person && grants.admin();
+  }
+
+  // From /auth/verify (or what this device kept of it): the menu's who-am-I and the owner's
+  // People; a person's tree opens at their home.
+  function applyWho(v) {
+    const g = v.grant;
+    state.person = v.person || null;
+    state.shared = (v.reach || []).filter((r) => r.sharedBy);
+    state.shares = [];
+    known = [];
+    loaded = null;
+    let name = "Owner";
+    let what = g ? g.name || "a key" : "the server key";
+    if (state.person) name = state.person.name;
+    else if (!grants.admin()) [name, what] = [g.name || "A key", grants.scopeText(g)];
+    $("who").replaceChildren(
+      el("small", {}, "Signed in as"),
+      " ",
+      el("strong", {}, name),
+      " · " + what,
+    );
+    $("menu-people").hidden = !owner();
+    if (state.person && core.getItem("session", "notesvc.expanded") === null)
+      state.expanded.add(state.person.home); // the first time: their home open
+  }
+
+  // Before the tree is drawn: the owner's people (homes labelled, folders shareable; read
+  // once a sign-in), and what is shared (GET /shared): with a person, and of one's own.
+  let loaded = null;
+  async function refresh() {
+    const load = async () => {
+      if (owner()) known = (await core.api("GET", "/people")).data.people;
+    };
+    loaded = loaded || load().catch(() => {}); // (out of reach: no labels)
+    await loaded;
+    if (!state.person && !known.length) return; // no one to share with: nothing shared
+    try {
+      const {data} = await core.api("GET", "/shared");
+      [state.shared, state.shares] = [data.folders, data.shares || []];
+    } catch (e) {
+      if (!offline.unreachable(e)) throw e; // out of reach: what this device knew
+    }
+  }
+
+  // The scope a person holds at a path: write in their home, a share's beyond; null where
+  // this page cannot tell (the server decides).
+  function scopeAt(path) {
+    if (!state.person) return null;
+    if (inside(path, state.person.home)) return "write";
+    const held = state.shared.filter((r) => inside(path, r.path)).map((r) => r.scope);
+    return held.includes("write") ? "write" : held[0] || null;
+  }
+
+  // A person's top level: their home ("My notes"), then the folders shared with them (each
+  // one not inside another), with who shared it. Returns false for the owner's whole tree.
+  async function fillTop(ul) {
+    if (!state.person || (state.grant && state.grant.folder)) return false;
+    const home = core.treeItem({type: "folder", name: "My notes", path: state.person.home});
+    const tops = state.shared.filter(
+      (f) => !state.shared.some((o) => o !== f && inside(f.path, o.path)),
+    );
+    const shared = tops.map((f) =>
+      core.treeItem({type: "folder", name: paths.nameOf(f.path), path: f.path}),
+    );
+    const head = el("li", {class: "list-head", id: "shared-head"}, "Shared with me");
+    ul.replaceChildren(home.li, ...(shared.length ? [head] : []), ...shared.map((i) => i.li));
+    await Promise.all([home, ...shared].filter((i) => i.expand).map((i) => i.expand()));
+    return true;
+  }
+
+  // The line under a folder's name: who shared it with this person; else whose home it
+  // is (for the owner) and whom it is shared with.
+  function label(path) {
+    const f = state.shared.find((r) => r.path === path);
+    if (f) return "Shared by " + f.sharedBy.name + " · " + SCOPE[f.scope];
+    const p = known.find((k) => k.home === path);
+    const s = sharedOwn(path);
+    const names = s && s.members.map((m) => m.name).join(", ");
+    return [p && p.name + "'s home", s && "Shared with " + names].filter(Boolean).join(" · ");
+  }
+  function sharedOwn(path) {
+    return state.shares.find((r) => r.path === path);
+  }
+
+  // Who may share a folder from here: the owner (any folder, once there are people), a
+  // person (a folder of their home, with a key that writes).
+  function mayShare(path) {
+    // (a person's home itself is not offered: one tap would share all their notes)
+    const home = state.person && state.person.home;
+    if (home) return grants.writable(path) && path.startsWith(home + "/");
+    return owner() && known.length > 0 && path !== "notes";
+  }
+
+  // The open note's line under its title: who shared its folder with this person, or whom
+  // the folder holding it is shared with.
+  function noteLine(path) {
+    const f = state.shared.find((r) => inside(path, r.path));
+    const own = state.shares.filter((r) => inside(path, r.path)).pop(); // the deepest
+    const line = $("note-shared");
+    line.textContent = f
+      ? "Shared by " + f.sharedBy.name + (f.scope === "read" ? " · view only" : "")
+      : own
+        ? "Shared with " + own.members.map((m) => m.name).join(", ")
+        : "";
+    line.hidden = !line.textContent;
+    // its folder's Share… in the note's menu too (as the tree's people icon)
+    const folder = path.slice(0, path.lastIndexOf("/"));
+    const item = $("share-folder");
+    item.hidden = !mayShare(folder);
+    item.textContent = "Share “" + paths.nameOf(folder) + "” with people…";
+    item.onclick = core.act(() => shareFolder(folder));
+  }
+
+  // In the recent list: the initial of who shared the note's folder with this person.
+  function mark(path) {
+    const f = state.shared.find((r) => inside(path, r.path));
+    if (!f) return null;
+    const by = "Shared by " + f.sharedBy.name;
+    const initial = [...f.sharedBy.name][0].toUpperCase();
+    return el("span", {class: "avatar", role: "img", title: by, "aria-label": by}, initial);
+  }
+
+  // A round badge with a person's initial, before their name.
+  function avatar(name) {
+    return el("span", {class: "avatar", "aria-hidden": "true"}, [...name][0].toUpperCase());
+  }
+
+  // -- Share…: a folder's members as chips, each with its scope; more people below ----------
+
+  async function shareFolder(path) {
+    const url = "/folders/" + core.enc(path) + "/members";
+    const {data} = await core.api("GET", url);
+    const own = data.members.filter((m) => !m.inherited);
+    const put = core.act(async (members) => {
+      const wanted = members.map((m) => ({person: m.person, scope: m.scope}));
+      await core.api("PUT", url, {members: wanted});
+      core.toast(
+        members.length ? "Shared with " + members.map((m) => m.name).join(", ") : "Not shared",
+      );
+      core // its label and the open note's line follow
+        .loadTree()
+        .then(() => state.path && noteLine(state.path))
+        .catch(() => {});
+      return shareFolder(path);
+    });
+    const chips = el("ul", {class: "chips", id: "share-members"});
+    for (const m of data.members) {
+      const chip = el("li", {"data-person": m.person}, avatar(m.name), el("strong", {}, m.name));
+      if (m.inherited) {
+        chip.append(el("small", {}, SCOPE[m.scope] + " · from " + paths.nameOf(m.from)));
+      } else {
+        const scope = scopeSelect(m.scope, "Scope of " + m.name);
+        scope.addEventListener("change", () =>
+          put(own.map((o) => (o === m ? {...o, scope: scope.value} : o))),
+        );
+        const drop = () => put(own.filter((o) => o !== m));
+        chip.append(
+          scope,
+          el(
+            "button",
+            {
+              type: "button",
+              class: "plain",
+              "aria-label": "Stop sharing with " + m.name,
+              onclick: drop,
+            },
+            "×",
+          ),
+        );
+      }
+      chips.append(chip);
+    }
+    if (!chips.children.length)
+      chips.append(el("li", {class: "muted"}, "Not shared yet: only you see it."));
+    const free = (data.candidates || []).filter((c) => !own.some((m) => m.person === c.id));
+    const who = el("select", {id: "share-person", "aria-label": "Person"});
+    who.append(...free.map((c) => el("option", {value: c.id}, c.name)));
+    const scopeNew = scopeSelect("write", "What they may do");
+    scopeNew.id = "share-scope";
+    const add = () =>
+      put([...own, {person: who.value, name: who.selectedOptions[0].text, scope: scopeNew.value}]);
+    const body = [
+      el(
+        "p",
+        {},
+        "The people you share it with see this folder and everything in it, on all their " +
+          "devices and apps. Taking someone off cuts them off at once.",
+      ),
+      chips,
+      ...(free.length
+        ? [
+            el("h3", {}, "Share with"),
+            el(
+              "div",
+              {class: "row"},
+              who,
+              scopeNew,
+              el(
+                "button",
+                {type: "button", id: "share-add", class: "primary", onclick: add},
+                "Share",
+              ),
+            ),
+          ]
+        : [
+            el(
+              "p",
+              {class: "muted"},
+              (data.candidates || []).length
+                ? "Everyone here has it now."
+                : "No one else lives on this server yet.",
+            ),
+          ]),
+    ];
+    if (state.person)
+      body.push(
+        el("p", {class: "muted"}, "The server's owner can read every note: they run the machine."),
+      );
+    return app.dialog("Share “" + paths.nameOf(path) + "”", body, [["cancel", "Done"]]);
+  }
+
+  function scopeSelect(value, what) {
+    const s = el(
+      "select",
+      {"aria-label": what},
+      ...Object.entries(SCOPE).map(([k, t]) => el("option", {value: k}, t)),
+    );
+    s.value = value;
+    return s;
+  }
+
+  // -- People (the owner): add one (a code for their first device), their devices, rename,
+  // remove -------------------------------------------------------------------------------
+
+  async function showPeople() {
+    const [listed, grantsNow] = await Promise.all([
+      core.api("GET", "/people"),
+      core.api("GET", "/auth/keys"),
+    ]);
+    known = listed.data.people;
+    const list = el("ul", {class: "list", id: "people-list"});
+    for (const p of known) {
+      const theirs = grantsNow.data.keys.filter((g) => g.person === p.id);
+      const act = (text, fn, cls) =>
+        el(
+          "button",
+          {type: "button", class: cls || null, onclick: core.act(() => fn(p, theirs))},
+          text,
+        );
+      const used = p.lastUsedAt ? " · used " + core.ago(p.lastUsedAt) : "";
+      const held = el("ul", {class: "held"});
+      for (const g of theirs) {
+        const revoke = core.act(async () => {
+          const sure = await app.choose("Revoke “" + g.name + "”?", "It stops working at once.", [
+            ["cancel", "Cancel"],
+            ["revoke", "Revoke", "danger"],
+          ]);
+          if (sure === "revoke") await core.api("DELETE", "/auth/keys/" + core.enc(g.id));
+          await showPeople();
+        });
+        const kind = {device: "device", oauth: "app"}[g.kind] || "key";
+        held.append(
+          el(
+            "li",
+            {},
+            el("span", {}, g.name, el("small", {class: "muted"}, " · " + kind)),
+            el("button", {type: "button", class: "plain", onclick: revoke}, "Revoke"),
+          ),
+        );
+      }
+      list.append(
+        el(
+          "li",
+          {"data-person": p.id},
+          el(
+            "span",
+            {class: "who"},
+            avatar(p.name),
+            el("strong", {}, p.name),
+            el(
+              "small",
+              {class: "muted"},
+              p.home + " · " + core.counted(p.devices, "device") + used,
+            ),
+          ),
+          el(
+            "span",
+            {class: "actions"},
+            act("Add a device", addDevice),
+            act("Rename", rename),
+            act("Remove", remove, "danger"),
+          ),
+          theirs.length ? held : null,
+        ),
+      );
+    }
+    if (!known.length) list.append(el("li", {class: "muted"}, "No one yet: it is only you."));
+    const name = el("input", {
+      type: "text",
+      id: "person-name",
+      maxlength: "64",
+      autocomplete: "off",
+    });
+    const body = [
+      el(
+        "p",
+        {},
+        "Each person has a folder of their own and sees only it and the folders shared with " +
+          "them. You see every note: you run the server.",
+      ),
+      list,
+      el("h3", {}, "Add a person"),
+      el("label", {for: "person-name"}, "Name (their folder's name too)"),
+      el(
+        "div",
+        {class: "row"},
+        name,
+        el(
+          "button",
+          {
+            type: "button",
+            id: "person-add",
+            class: "primary",
+            onclick: core.act(() => addPerson(name, body)),
+          },
+          "Add",
+        ),
+      ),
+    ];
+    name.addEventListener(
+      "keydown",
+      (e) => e.key === "Enter" && core.act(() => addPerson(name, body))(),
+    );
+    core.loadTree().catch(() => {}); // homes are labelled, folders shareable
+    return app.dialog("People", body, [["cancel", "Close"]], known.length ? undefined : name);
+  }
+
+  async function addPerson(name, body) {
+    let made;
+    try {
+      made = (await core.api("POST", "/people", {name: name.value.trim()})).data;
+    } catch (e) {
+      if (e instanceof core.Problem && (e.status === 401 || e.status === 429)) throw e;
+      devices.dialogProblem(body, e);
+      return app.dialog("People", body, [["cancel", "Close"]], name);
+    }
+    const who = made.person.name;
+    const intro = who + "'s phone scans this, or opens the link: it joins as " + who + ".";
+    return devices.showPairing(made.pairing, showPeople, who + "'s first device", intro);
+  }
+
+  async function addDevice(p) {
+    const {data} = await core.api("POST", "/people/" + core.enc(p.id) + "/pairings", {
+      name: p.name + "'s device",
+      scope: "admin",
+    });
+    return devices.showPairing(
+      data,
+      showPeople,
+      "A device for " + p.name,
+      p.name + " scans this with the new device's camera.",
+    );
+  }
+
+  async function rename(p) {
+    const input = el("input", {type: "text", id: "person-rename", maxlength: "64"});
+    input.value = p.name;
+    const body = [el("label", {for: "person-rename"}, "Name (their folder keeps its name)"), input];
+    for (;;) {
+      if (
+        (await app.dialog(
+          "Rename " + p.name,
+          body,
+          [
+            ["cancel", "Cancel"],
+            ["save", "Rename", "primary"],
+          ],
+          input,
+        )) !== "save"
+      )
+        return showPeople();
+      try {
+        await core.api("PATCH", "/people/" + core.enc(p.id), {name: input.value.trim()});
+        return showPeople();
+      } catch (e) {
+        if (e instanceof core.Problem && (e.status === 401 || e.status === 429)) throw e;
+        devices.dialogProblem(body, e);
+      }
+    }
+  }
+
+  async function remove(p, theirs) {
+    const phones = theirs.filter((g) => g.kind === "device").length;
+    const others = theirs.length - phones;
+    const more = others ? " and " + core.counted(others, "key or app", "keys and apps") : "";
+    const text = [
+      (theirs.length
+        ? p.name +
+          "'s " +
+          core.counted(phones, "device") +
+          more +
+          " stop working at once, " +
+          "with the share links, calendar feeds and chats they made or linked."
+        : p.name + " has not joined from a device yet: the code to join stops working.") +
+        " Folders shared with " +
+        p.name +
+        " are no longer shared.",
+      el(
+        "p",
+        {id: "remove-stays"},
+        p.name + "'s notes stay in " + p.home + ", where you still see them.",
+      ),
+    ];
+    const sure = await app.choose("Remove " + p.name + "?", text, [
+      ["cancel", "Cancel"],
+      ["remove", "Remove " + p.name, "danger"],
+    ]);
+    if (sure === "remove") {
+      const {data} = await core.api("DELETE", "/people/" + core.enc(p.id));
+      core.toast(
+        p.name +
+          " removed: " +
+          core.counted(data.revoked.length, "device, key or app", "devices, keys and apps") +
+          " ended",
+      );
+    }
+    return showPeople();
+  }
+
+  function wirePeople() {
+    $("menu-people").addEventListener(
+      "click",
+      core.act(() => showPeople()),
+    );
+  }
+
+  return {
+    applyWho,
+    fillTop,
+    label,
+    mark,
+    mayShare,
+    noteLine,
+    refresh,
+    scopeAt,
+    shareFolder,
+    sharedOwn,
+    wirePeople,
+  };
+})();
+"""[1:]
+# --- end web/people.js ---
 # --- begin web/transfer.js ---
 WEB_TRANSFER_JS = r"""
 // -- bring notes in, take them all out (docs/api.md: Import) --------------------------------------
@@ -29473,7 +34345,8 @@ WEB_TRANSFER_JS = r"""
 
   async function showImport() {
     const input = el("input", {type: "file", id: "import-file", accept: IMPORT_TYPES});
-    const into = el("input", {type: "text", id: "import-into", placeholder: "notes/imported/…"});
+    const home = state.person ? state.person.home : "notes"; // a person's go to their home
+    const into = el("input", {type: "text", id: "import-into", placeholder: home + "/imported/…"});
     const body = [
       el(
         "p",
@@ -29576,6 +34449,67 @@ WEB_TRANSFER_JS = r"""
 })();
 """[1:]
 # --- end web/transfer.js ---
+# --- begin web/capture.js ---
+WEB_CAPTURE_JS = r"""
+// -- capture: Record (its code loaded on first use) and the line about text inside files --
+// Record needs a secure context (HTTPS, or localhost): elsewhere it names the address that
+// has one. record.js is fetched when Record is first pressed (the page stays under its
+// budget); the service worker keeps it for offline starts.
+
+const capturing = (() => {
+  const {$} = core;
+  let facts = null;
+
+  async function capturedFacts() {
+    if (!facts) facts = (await core.api("GET", "/capture")).data;
+    return facts;
+  }
+
+  function loadRecorder() {
+    if (window.notesvcRecorder) return Promise.resolve(window.notesvcRecorder);
+    return new Promise((resolve, reject) => {
+      const s = document.createElement("script");
+      s.src = "record.js";
+      s.integrity = $("record").dataset.sri;
+      s.onload = () => resolve(window.notesvcRecorder);
+      s.onerror = () => reject(new Error("Record could not load: check the connection."));
+      document.head.append(s);
+    });
+  }
+
+  async function record() {
+    if (!window.isSecureContext || !navigator.mediaDevices) {
+      const f = await capturedFacts().catch(() => ({record: {}}));
+      const there = f.record.secureUrl;
+      core.toast(
+        "Recording needs HTTPS" + (there ? ": open " + there : " (this server has none yet)"),
+        true,
+      );
+      return;
+    }
+    (await loadRecorder()).open();
+  }
+
+  // The first search says how far the reader of PDFs and images got (or why it is off).
+  async function fileTextLine() {
+    const t = (await capturedFacts()).attachmentText;
+    const line = $("file-text");
+    line.textContent =
+      "Text inside files: " +
+      (t.enabled ? t.read + " of " + t.files + " read" : "off, " + t.reason) +
+      (t.waiting ? ", " + t.waiting + " waiting" : "");
+    line.hidden = false;
+  }
+
+  function wireCapture() {
+    $("record").onclick = core.act(record);
+    $("search").addEventListener("focus", () => fileTextLine().catch(() => {}), {once: true});
+  }
+
+  return {wireCapture};
+})();
+"""[1:]
+# --- end web/capture.js ---
 # --- begin web/main.js ---
 WEB_MAIN_JS = r"""
 // -- the page starts here: every file before this one only defines -------------------------
@@ -29587,7 +34521,9 @@ WEB_MAIN_JS = r"""
   app.wire();
   grants.wireGrants();
   devices.wireDevices();
+  people.wirePeople();
   offline.wireOffline();
+  capturing.wireCapture();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {
     // the share sheet reached the server itself: no worker here to keep what was shared
@@ -29630,22 +34566,285 @@ WEB_MAIN_JS = r"""
 })();
 """[1:]
 # --- end web/main.js ---
+# Record's code: its own script, fetched when Record is first pressed (the page's budget)
+# --- begin web/record.js ---
+RECORD_JS = r"""
+"use strict";
+// -- Record: a voice note from the microphone (loaded when Record is first pressed) ---------
+// MediaRecorder: WebM/Opus where the browser has it, MP4/AAC on iOS. Stop sends the audio's
+// own bytes to POST /capture/voice, which keeps it as an attachment and writes a note with it
+// and its transcript. With no connection it waits in the outbox ("Keep notes on this device"
+// on), or on this page until the connection is back.
+
+window.notesvcRecorder = (() => {
+  const {$} = core;
+  const TYPES = ["audio/webm;codecs=opus", "audio/webm", "audio/mp4", "audio/ogg;codecs=opus"];
+  let rec = null;
+  let chunks = [];
+  let stream = null;
+  let started = 0;
+  let timer = 0;
+  const waiting = []; // recordings made with no connection and no outbox: sent when it is back
+
+  function say(text) {
+    $("record-msg").textContent = text;
+  }
+
+  function panel() {
+    if ($("record-box")) return $("record-box");
+    const el = markdown.el;
+    const stopSave = {
+      id: "record-stop",
+      type: "button",
+      class: "primary",
+      onclick: () => stop(true),
+    };
+    const box = el(
+      "div",
+      {id: "record-box", class: "record-box", role: "dialog"},
+      el("span", {class: "record-dot", "aria-hidden": "true"}, "●"),
+      el("span", {id: "record-time", role: "timer"}, "0:00"),
+      el("button", stopSave, "Stop and save"),
+      el("button", {id: "record-cancel", type: "button", onclick: () => stop(false)}, "Cancel"),
+      el("p", {id: "record-msg", role: "status"}, ""),
+    );
+    box.setAttribute("aria-label", "Record a voice note");
+    // its look here, not in the page's CSS (the page keeps its budget; CSSOM, not markup)
+    Object.assign(box.style, {
+      position: "fixed",
+      left: "0",
+      right: "0",
+      bottom: "0",
+      zIndex: "30",
+      display: "flex",
+      flexWrap: "wrap",
+      alignItems: "center",
+      gap: "0.6rem",
+      padding: "0.8rem 1rem",
+      background: getComputedStyle(document.body).backgroundColor || "#fff",
+      borderTop: "1px solid #c8ced6",
+    });
+    box.firstChild.style.color = "#c62828";
+    box.lastChild.style.cssText = "flex-basis: 100%; margin: 0";
+    document.body.append(box);
+    return box;
+  }
+
+  function tick() {
+    const s = Math.floor((Date.now() - started) / 1000);
+    $("record-time").textContent = Math.floor(s / 60) + ":" + String(s % 60).padStart(2, "0");
+  }
+
+  async function open() {
+    if (rec) return;
+    panel().hidden = false;
+    $("record-stop").hidden = false;
+    $("record-stop").disabled = true;
+    $("record-cancel").textContent = "Cancel";
+    say("Asking for the microphone…");
+    try {
+      stream = await navigator.mediaDevices.getUserMedia({audio: true});
+    } catch (e) {
+      say("No microphone: " + (e.message || e.name) + ". Allow it for this page and try again.");
+      return;
+    }
+    const type = TYPES.find((t) => window.MediaRecorder && MediaRecorder.isTypeSupported(t));
+    rec = new MediaRecorder(stream, type ? {mimeType: type} : {});
+    chunks = [];
+    rec.ondataavailable = (e) => {
+      if (e.data && e.data.size) chunks.push(e.data);
+    };
+    rec.start(1000);
+    $("record-box").firstChild.style.visibility = "visible"; // the red dot: recording now
+    started = Date.now();
+    tick();
+    timer = setInterval(tick, 500);
+    $("record-stop").disabled = false;
+    say("Recording…");
+  }
+
+  function stop(keep) {
+    const r = rec;
+    rec = null;
+    clearInterval(timer);
+    $("record-box").firstChild.style.visibility = "hidden"; // no longer recording
+    if (!r) {
+      $("record-box").hidden = true;
+      return;
+    }
+    r.onstop = () => {
+      stream.getTracks().forEach((t) => t.stop());
+      const blob = new Blob(chunks, {type: (r.mimeType || "audio/webm").split(";")[0]});
+      chunks = [];
+      if (keep) core.act(save)(blob, app.newId());
+      else $("record-box").hidden = true;
+    };
+    r.stop();
+  }
+
+  async function save(blob, key) {
+    $("record-stop").disabled = true;
+    say("Saving…");
+    try {
+      const {data} = await core.api("POST", "/capture/voice", blob, {"Idempotency-Key": key});
+      say(
+        data.transcribed
+          ? "Saved to " + paths.nameOf(data.path) + ": “" + (data.transcript || "") + "”"
+          : "Saved to " + paths.nameOf(data.path) + " (not transcribed).",
+      );
+      $("record-stop").hidden = true;
+      $("record-cancel").textContent = "Close";
+      core.loadRecent().catch(() => {});
+    } catch (e) {
+      if (!offline.unreachable(e)) {
+        say("Not saved: " + e.message);
+        return;
+      }
+      if (offline.offlineOn()) {
+        await offline.updateOutbox((items) =>
+          outbox.queueVoice(items, blob, key, Date.now(), app.newId),
+        );
+        say("No connection: the recording waits in the outbox and is sent when it is back.");
+        return;
+      }
+      waiting.push([blob, key]);
+      say("No connection: the recording waits on this page (keep it open) until it is back.");
+      window.addEventListener("online", () => core.act(sendWaiting)(), {once: true});
+    }
+  }
+
+  async function sendWaiting() {
+    for (const [blob, key] of waiting.splice(0)) await save(blob, key);
+  }
+
+  return {open};
+})();
+"""[1:]
+# --- end web/record.js ---
+
+
+# a / after one of these (or a line's start) opens a regular expression, else it divides
+_REGEX_AFTER = set("(,=:[!&|?{};+-*%<>~^")
+_REGEX_WORD = re.compile(r"\b(return|typeof|case|of|in|do|else|void|yield|await)\s*\Z")
+
+
+def scan_script(js: str) -> tuple:
+    """Return (the numbers, from 0, of the lines of a script that begin inside a string or
+    a template literal: text, kept as it is; the (start, end) of each comment). A small
+    scanner of the script's strings, comments, templates (with `${}` inside) and regular
+    expressions; prettier's layout keeps the regex-or-division guess simple. ValueError when
+    it ends inside a template (it lost its place: nothing it found is used).
+
+    >>> scan_script("a = `x\\n  y` + /`/.source; // why\\nb = '`'; /* c */")
+    ({1}, [(26, 32), (42, 49)])
+    """
+    kept: set = set()
+    comments: list = []
+    stack = ["code"]  # modes: code (its `{` depth beside it in depths), tpl
+    depths = [0]
+    i, line, n, last = 0, 0, len(js), ""  # last: the code's last significant character
+    while i < n:
+        c, mode = js[i], stack[-1]
+        if c == "\n":
+            line += 1
+            if mode == "tpl":
+                kept.add(line)
+        elif mode == "tpl":
+            if c == "\\" and js[i + 1 : i + 2] == "\n":
+                i += 1
+                line += 1
+                kept.add(line)
+            elif c == "\\":
+                i += 1
+            elif c == "`":
+                stack.pop()
+                last = "`"
+            elif js.startswith("${", i):
+                stack.append("code")
+                depths.append(0)
+                i += 1
+        elif js.startswith("//", i):
+            end = js.find("\n", i)
+            end = n if end < 0 else end
+            comments.append((i, end))
+            i = end - 1
+        elif js.startswith("/*", i):
+            end = js.find("*/", i + 2) + 2
+            end = n if end < 2 else end
+            comments.append((i, end))
+            line += js.count("\n", i, end)
+            i = end - 1
+        elif c in "'\"":
+            i += 1
+            while i < n and js[i] != c:
+                if js[i] == "\\":
+                    i += 1
+                    if js[i : i + 1] == "\n":
+                        line += 1
+                        kept.add(line)  # a string continued on the next line
+                i += 1
+            last = c
+        elif c == "`":
+            stack.append("tpl")
+        elif c == "/" and (
+            not last or last in _REGEX_AFTER or _REGEX_WORD.search(js[max(0, i - 12) : i])
+        ):
+            klass = False
+            i += 1
+            while i < n and (js[i] != "/" or klass) and js[i] != "\n":
+                if js[i] == "\\":
+                    i += 1
+                elif js[i] in "[]":
+                    klass = js[i] == "["
+                i += 1
+            last = "/"
+        elif c == "{":
+            depths[-1] += 1
+            last = c
+        elif c == "}" and depths[-1] == 0 and len(stack) > 1:
+            stack.pop()  # the end of a ${...}: back in its template
+            depths.pop()
+        elif not c.isspace():
+            depths[-1] -= c == "}"
+            last = c
+        i += 1
+    if stack != ["code"]:  # the scanner lost its place: serve nothing it might have cut
+        raise ValueError(f"a template literal of the script does not end (line {line + 1})")
+    return kept, comments
 
 
 def lean_script(js: str) -> str:
-    """Return the script with each line that is only a // comment left empty: the comments
-    are for whoever reads web/, and the phone gets the page a sixth smaller gzipped. Lines
-    stay where they were, so an error's line in the page is a line of the sources' order.
-    (The web/ scripts hold no template literal across lines, where a // line would be text;
-    node --check and the no-undef lint run on the result.)"""
-    return "\n".join("" if line.lstrip().startswith("//") else line for line in js.split("\n"))
+    """Return the script as the page serves it: without comments and without indentation
+    (the comments are for whoever reads web/; the page is a third smaller gzipped). Lines
+    stay where they were (a comment's lines are left empty), so an error's line in the page
+    is a line of the sources' order; a line that begins or ends inside a string or a
+    template literal keeps its spaces. node --check and the no-undef lint run on the
+    result."""
+    kept, comments = scan_script(js)
+    parts, at = [], 0
+    for start, end in comments:  # a block comment on one line becomes a space
+        block = js.startswith("/*", start)
+        parts += [js[at:start], "\n" * js.count("\n", start, end) or " " * block]
+        at = end
+    lines = "".join([*parts, js[at:]]).split("\n")
+    return "\n".join(
+        line if i in kept else line.lstrip() if i + 1 in kept else line.strip()
+        for i, line in enumerate(lines)
+    )
+
+
+def lean_css(css: str) -> str:
+    """Return a style sheet as the page serves it: without comments and indentation, each
+    line where it was (a comment's lines are left empty)."""
+    css = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group().count("\n"), css, flags=re.S)
+    return "\n".join(line.strip() for line in css.split("\n"))
 
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# transfer.js, offline.js, and last main.js, where the page starts (the files before it
-# only define).
+# people.js, transfer.js, offline.js, capture.js, and last main.js, where the page starts (the
+# files before it only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -29661,12 +34860,15 @@ WEB_JS = "".join(
         WEB_JS_REST,
         WEB_GRANTS_JS,
         WEB_DEVICES_JS,
+        WEB_PEOPLE_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
+        WEB_CAPTURE_JS,
         WEB_MAIN_JS,
     )
 )
-WEB_JS = lean_script(WEB_JS)  # as served: without the comment lines
+WEB_JS = lean_script(WEB_JS)  # as served: without the comment lines and indentation
+WEB_CSS = lean_css(WEB_CSS)  # as served: without comments and indentation
 
 # --- begin web/app.html ---
 WEB_PAGE = r"""
@@ -29705,6 +34907,10 @@ WEB_PAGE = r"""
     <circle cx="5" cy="12" r="1"/><circle cx="12" cy="12" r="1"/><circle cx="19" cy="12" r="1"/>
   </symbol>
   <symbol id="i-back" viewBox="0 0 24 24"><path d="M15 5l-7 7 7 7"/></symbol>
+  <symbol id="i-people" viewBox="0 0 24 24"><circle cx="9" cy="8" r="3.5"/>
+    <path d="M2.5 20c0-3.6 2.9-6 6.5-6s6.5 2.4 6.5 6M16 4.6a3.5 3.5 0 010 6.8"/>
+    <path d="M18 14.3c2 .7 3.5 2.8 3.5 5.7"/>
+  </symbol>
   <symbol id="i-check" viewBox="0 0 24 24">
     <rect x="3.5" y="3.5" width="17" height="17" rx="4"/><path d="M8 12.5l3 3 5.5-6"/></symbol>
 </svg>
@@ -29773,11 +34979,13 @@ WEB_PAGE = r"""
       <summary aria-label="Menu"><svg class="icon" aria-hidden="true"><use href="#i-more"/></svg>
       </summary>
       <div class="menu-list">
+        <p id="who" class="path-item"></p>
         <button id="menu-new" type="button">New note</button>
         <button id="menu-refresh" type="button">Refresh</button>
         <button id="menu-trash" type="button" hidden>Trash</button>
         <button id="menu-offline" type="button" hidden>Keep notes on this device</button>
         <button id="menu-keys" type="button" hidden>Keys and devices</button>
+        <button id="menu-people" type="button" hidden>People</button>
         <button id="menu-tasks" type="button" hidden>Tasks on your phone</button>
         <button id="menu-telegram" type="button" hidden>Telegram</button>
         <button id="menu-import" type="button">Import notes…</button>
@@ -29794,7 +35002,8 @@ WEB_PAGE = r"""
         <input id="capture" type="text" placeholder="Capture to today's note…" enterkeyhint="send">
         <button id="capture-add" type="button">Add</button>
       </div>
-      <div class="pane-tools"><button id="new" type="button">New note</button></div>
+      <div class="pane-tools"><button id="new" type="button">New note</button>
+        <button id="record" type="button" data-sri="{record_sri}">Record</button></div>
       <h2 class="list-head">Recent</h2>
       <ul id="recent" class="recent"></ul>
       <details id="folders" open>
@@ -29809,6 +35018,7 @@ WEB_PAGE = r"""
       <p id="search-mode" hidden></p>
       <p id="search-hint" class="hint">Type in the search box above: words, "a phrase", pre*,
         -without, this OR that. Press / to search from anywhere, Esc to go back.</p>
+      <p id="file-text" class="hint" hidden></p>
       <ul id="results"></ul>
     </section>
 
@@ -29820,7 +35030,8 @@ WEB_PAGE = r"""
       <div id="note-bar" class="note-bar" hidden>
         <button id="back" type="button" class="plain" aria-label="Back to notes">
           <svg class="icon" aria-hidden="true"><use href="#i-back"/></svg></button>
-        <div class="note-title"><strong id="title"></strong></div>
+        <div class="note-title"><strong id="title"></strong>
+          <small id="note-shared" hidden></small></div>
         <span id="status" role="status"></span>
         <button id="edit" type="button">Edit</button>
         <details class="menu" id="note-menu">
@@ -29831,7 +35042,8 @@ WEB_PAGE = r"""
               <small id="modified"></small></p>
             <button id="attach" type="button" hidden>Attach a file…</button>
             <button id="photo" type="button" hidden>Take a photo…</button>
-            <button id="share" type="button" hidden>Share…</button>
+            <button id="share-folder" type="button" hidden></button>
+            <button id="share" type="button" hidden>Share a link…</button>
             <button id="move" type="button">Move or rename…</button>
             <button id="history" type="button" hidden>History…</button>
             <button id="delete" type="button" class="danger">Move to trash</button>
@@ -29899,6 +35111,7 @@ WEB_PAGE = r"""
 </dialog>
 
 <div id="toast" role="status" aria-live="polite" hidden></div>
+<template id="t-share"><svg class="icon" aria-hidden="true"><use href="#i-people"/></svg></template>
 <script>{js}</script>
 </body>
 </html>
@@ -29910,9 +35123,14 @@ def _csp_hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
 
 
+RECORD_JS = lean_script(RECORD_JS)
+RECORD_SRI = "sha384-" + base64.b64encode(hashlib.sha384(RECORD_JS.encode()).digest()).decode()
+
+# 'strict-dynamic': the page's own script (its hash) may add record.js (checked by its
+# integrity); nothing in the markup runs, and no other script is named.
 WEB_CSP = (
     "default-src 'none'; "
-    f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
+    f"script-src {_csp_hash(WEB_JS)} 'strict-dynamic'; style-src {_csp_hash(WEB_CSS)}; "
     "connect-src 'self'; img-src 'self' data: blob:; media-src blob:; manifest-src 'self'; "
     "worker-src 'self'; base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
@@ -30020,6 +35238,8 @@ WEB_ASSETS: dict = {
     "/apple-touch-icon.png": ("image/png", lambda: web_icon_png(180)),
     # the service worker: a worker cannot be inline; its policy lets it fetch this origin
     "/sw.js": ("text/javascript; charset=utf-8", lambda: SW_JS.encode("utf-8")),
+    # Record's code, loaded by the page on first use (WEB_CSP, RECORD_SRI)
+    "/record.js": ("text/javascript; charset=utf-8", lambda: RECORD_JS.encode("utf-8")),
 }
 
 
@@ -30027,9 +35247,10 @@ def web_asset_headers(path: str) -> dict:
     """Return the headers of a public asset: cacheable, typed, and inert if opened alone
     (the service worker: checked for a new version at every start, allowed to fetch)."""
     worker = path == "/sw.js"
+    fresh = worker or path == "/record.js"  # checked again at each use: a new version's own
     return {
         "Content-Type": WEB_ASSETS[path][0],
-        "Cache-Control": "no-cache" if worker else "public, max-age=86400",
+        "Cache-Control": "no-cache" if fresh else "public, max-age=86400",
         "Content-Security-Policy": "default-src 'none'; connect-src 'self'"
         if worker
         else "default-src 'none'",
@@ -30039,7 +35260,8 @@ def web_asset_headers(path: str) -> dict:
 
 def web_client_page() -> str:
     """Return the page: the same bytes on a server and on a relay."""
-    return WEB_PAGE.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
+    page = WEB_PAGE.replace("{record_sri}", RECORD_SRI)
+    return page.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
 
 
 def web_client_headers() -> dict:
@@ -30064,8 +35286,8 @@ PAGE_CSS = r"""
 body{margin:0;font:16px/1.5 system-ui,sans-serif;color:#1d232a;background:#f6f7f9}
 main{max-width:42em;margin:0 auto;padding:1.2em}
 h1{font-size:1.4em;line-height:1.25}label{display:block;margin:.8em 0 .2em}
-input,button{font:inherit;padding:.6em .7em;border:1px solid #8a94a0;border-radius:6px}
-input[type=password],input[type=text]{width:100%}button{min-height:2.9em;min-width:7em;cursor:pointer}
+input,button,select{font:inherit;padding:.6em .7em;border:1px solid #8a94a0;border-radius:6px}
+input[type=password],input[type=text],select{width:100%}button{min-height:2.9em;min-width:7em;cursor:pointer}
 button.go{background:#1d4f91;color:#fff;border-color:#1d4f91}button:disabled{opacity:.6}
 fieldset{border:1px solid #c8ced6;border-radius:6px;margin:1em 0}fieldset label{margin:.4em 0}
 .row{display:flex;gap:.7em;flex-wrap:wrap;margin-top:1.2em}.hidden{display:none!important}
@@ -30080,7 +35302,7 @@ border-left:3px solid #c8ced6;color:#444}table{border-collapse:collapse}td,th{bo
 mark{background:#fff0a0}
 @media (prefers-color-scheme:dark){body{background:#111418;color:#e4e8ec}
 article{background:#1a1f25;border-color:#2c333b}pre{background:#232a31}.muted{color:#a6b0ba}
-input{background:#1a1f25;color:#e4e8ec}.err{color:#ff8a80}}
+input,select{background:#1a1f25;color:#e4e8ec}.err{color:#ff8a80}}
 """[1:]
 # --- end web/page.css ---
 
@@ -30239,11 +35461,43 @@ async function load() {
     $("device").textContent = device.name || "this device";
     $("signed-in").classList.remove("hidden");
     $("key-row").classList.add("hidden");
+    await asPerson(kept, device);
     $("allow").focus();
     return;
   }
   if (kept && !kept.startsWith("nsd_")) $("key").value = kept;
   $("key").focus();
+}
+
+// A person's admin device: "Signed in as <person> · <device>", and the folders offered are
+// those of their reach (their home, the folders shared with them), not a path to type.
+async function asPerson(key, device) {
+  let who = null;
+  try {
+    const r = await fetch(api + "/auth/verify", {
+      method: "POST",
+      mode: "same-origin",
+      headers: {"X-Service-Key": key},
+    });
+    who = r.ok ? (await r.json()).data : null;
+  } catch (e) {
+    /* the owner's page as it was: the server says no to a key it does not take */
+  }
+  if (!who || !who.person) return;
+  const name = (who.grant && who.grant.name) || device.name || "this device";
+  $("device").textContent = who.person.name + " · " + name;
+  const pick = $("folder-pick");
+  for (const r of who.reach || []) {
+    const whose = r.sharedBy ? "shared by " + r.sharedBy.name : "your own";
+    const option = document.createElement("option");
+    option.value = r.path;
+    option.textContent = r.path + " (" + whose + (r.scope === "read" ? ", read only)" : ")");
+    pick.append(option);
+  }
+  pick.classList.remove("hidden");
+  $("folder").classList.add("hidden");
+  $("folder-label").htmlFor = "folder-pick";
+  $("folder-label").textContent = "Which of your folders";
 }
 
 async function allow() {
@@ -30256,7 +35510,8 @@ async function allow() {
     scope: $("scope-write").checked ? "notes:read notes:write" : "notes:read",
   };
   if (ask.get("state")) body.state = ask.get("state");
-  let folder = $("folder").value.trim().replace(/\/+$/, "");
+  const picked = !$("folder-pick").classList.contains("hidden");
+  let folder = (picked ? $("folder-pick") : $("folder")).value.trim().replace(/\/+$/, "");
   if (folder) body.folder = folder.startsWith("notes/") ? folder : "notes/" + folder;
   $("allow").disabled = true;
   try {
@@ -30314,8 +35569,10 @@ CONSENT_PAGE = r"""
 read and search your notes</label>
 <label id="write-row"><input type="radio" name="scope" id="scope-write" value="write">
 read, create and change your notes</label></fieldset>
-<label for="folder">Only this folder (leave empty for all notes)</label>
+<label for="folder" id="folder-label">Only this folder (leave empty for all notes)</label>
 <input id="folder" type="text" autocomplete="off" placeholder="notes/family">
+<select id="folder-pick" class="hidden"><option value="">All my notes and shared folders</option>
+</select>
 <p id="signed-in" class="hidden">Signed in as <span id="device" class="who"></span>.</p>
 <div id="key-row"><label for="key">Your API key (it stays on this page and your server)</label>
 <input id="key" type="password" autocomplete="off" placeholder="nsk_..."></div>
@@ -30369,6 +35626,198 @@ def share_page_headers() -> dict:
     }
 
 
+# --- begin web/clip.js ---
+CLIP_JS = r"""
+"use strict";
+// The bookmarklet's page (/clip). It keeps a device key of its own in this origin's storage
+// (connected like a device: a pairing link or code). The bookmarklet opens it and hands it
+// {url, title, html, selection} by postMessage: only a message from the window that opened
+// this one is taken (event.source), and the page's bytes never carry a key or an image.
+(() => {
+  const $ = (id) => document.getElementById(id);
+  const KEY = "notesvc.clipKey";
+  const api = new URL("api/v1", new URL(".", location.href)).pathname;
+  const target = location.href.split(/[?#]/)[0];
+  let page = null;
+
+  function keyOf() {
+    try {
+      return localStorage.getItem(KEY);
+    } catch (e) {
+      return null;
+    }
+  }
+  function show(id, on) {
+    $(id).classList.toggle("hidden", !on);
+  }
+  function say(text, bad) {
+    $("msg").textContent = text;
+    $("msg").className = bad ? "err" : "";
+  }
+
+  async function call(method, path, body, key) {
+    const headers = {"Content-Type": "application/json"};
+    if (key) headers["X-Service-Key"] = key;
+    let r;
+    try {
+      r = await fetch(api + path, {
+        method,
+        headers,
+        body: JSON.stringify(body),
+        mode: "same-origin",
+        credentials: "omit",
+        cache: "no-store",
+      });
+    } catch (e) {
+      throw new Error("Cannot reach the server. Check the connection and try again.");
+    }
+    const j = await r.json().catch(() => ({}));
+    if (!r.ok) {
+      const err = new Error(j.error ? j.error.message : "The server answered " + r.status + ".");
+      err.status = r.status;
+      throw err;
+    }
+    return {status: r.status, data: j.data};
+  }
+
+  async function connect() {
+    const raw = $("pair").value.trim();
+    const m = /#pair=([A-Za-z2-7-]{26,40})/.exec(raw);
+    const secret = m ? m[1] : raw.replace(/[^A-Za-z2-7]/g, "").toLowerCase();
+    if (!secret) return say("Paste the link or type the code first.", true);
+    try {
+      const {data} = await call("POST", "/auth/devices/claim", {secret, deviceName: "Bookmarklet"});
+      localStorage.setItem(KEY, data.key);
+      $("pair").value = "";
+      say("Connected.");
+      render();
+    } catch (e) {
+      say(e.message, true);
+    }
+  }
+
+  async function send(selectionOnly) {
+    if (!page) return;
+    const body = {url: page.url, title: page.title};
+    if (selectionOnly) body.selection = page.selection;
+    else body.html = page.html;
+    const folder = $("folder").value.trim();
+    if (folder) body.folder = folder;
+    if ($("fresh").checked) body.new = true;
+    say("Clipping…");
+    try {
+      const {status, data} = await call("POST", "/capture/clip", body, keyOf());
+      say((status === 201 ? "Saved as " : "Updated ") + data.path);
+      setTimeout(() => window.close(), 1500);
+    } catch (e) {
+      if (e.status === 401) {
+        localStorage.removeItem(KEY);
+        render();
+        return say("This page's key no longer works: connect again.", true);
+      }
+      say(e.message, true);
+    }
+  }
+
+  function render() {
+    const key = keyOf();
+    show("connect", !key);
+    show("clip", !!key && !!page);
+    show("bookmarklet", !!key);
+    if (key && !page) {
+      say(window.opener ? "Waiting for the page…" : "Press the bookmarklet on a page to clip it.");
+    }
+  }
+
+  function bookmarklet() {
+    const code =
+      "javascript:(function(){var T=" +
+      JSON.stringify(target) +
+      ',O=new URL(T).origin,w=window.open(T,"notesvc-clip","width=460,height=640");' +
+      'if(!w){alert("notesvc: allow pop-ups for this site to clip it");return}' +
+      'var s=getSelection(),h="";if(s&&s.rangeCount&&!s.isCollapsed){var d=document.createElement("div");' +
+      "for(var i=0;i<s.rangeCount;i++)d.appendChild(s.getRangeAt(i).cloneContents());h=d.innerHTML}" +
+      'var m={type:"notesvc-clip",url:location.href,title:document.title,' +
+      "html:document.documentElement.outerHTML,selection:h};" +
+      'function f(e){if(e.source===w&&e.origin===O&&e.data==="notesvc-clip-ready"){' +
+      'w.postMessage(m,O);removeEventListener("message",f)}}addEventListener("message",f)})();';
+    $("bm-link").href = code;
+    $("bm-code").value = code;
+  }
+
+  window.addEventListener("message", (event) => {
+    if (!window.opener || event.source !== window.opener) return; // only the page that opened us
+    const d = event.data;
+    if (!d || d.type !== "notesvc-clip" || typeof d.url !== "string") return;
+    if (typeof d.html !== "string" || typeof d.title !== "string") return;
+    page = {url: d.url, title: d.title, html: d.html, selection: String(d.selection || "")};
+    $("page").textContent = (page.title || page.url) + " — " + page.url;
+    $("clip-selection").disabled = !page.selection;
+    say(page.selection ? "A selection is there too." : "");
+    render();
+  });
+  $("pair-go").onclick = connect;
+  $("clip-page").onclick = () => send(false);
+  $("clip-selection").onclick = () => send(true);
+  $("forget").onclick = () => {
+    localStorage.removeItem(KEY);
+    render();
+  };
+  bookmarklet();
+  render();
+  // the bookmarklet waits for this before it hands the page over (it checks our origin)
+  if (window.opener) window.opener.postMessage("notesvc-clip-ready", "*");
+})();
+"""[1:]
+# --- end web/clip.js ---
+
+# --- begin web/clip.html ---
+CLIP_PAGE = r"""
+<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="robots" content="noindex, nofollow"><meta name="referrer" content="no-referrer">
+<title>Clip to notesvc</title><link rel="icon" href="data:,"><style>{css}</style></head><body>
+<main><h1>Clip to notesvc</h1>
+<section id="connect" class="hidden"><p>This page keeps its own key for clipping. On a device
+that is signed in, open <b>Keys and devices → Add a device</b> (write), then paste its link or
+type its code here.</p>
+<label for="pair">Pairing link or code</label><input id="pair" type="text" autocomplete="off">
+<div class="row"><button id="pair-go" class="go" type="button">Connect</button></div></section>
+<section id="clip" class="hidden"><p id="page" class="who"></p>
+<label for="folder">Folder (empty: your inbox)</label>
+<input id="folder" type="text" placeholder="notes/inbox" autocomplete="off">
+<label><input id="fresh" type="checkbox"> a new note, even if this page was clipped before</label>
+<div class="row"><button id="clip-page" class="go" type="button">Clip page</button>
+<button id="clip-selection" type="button">Clip selection</button></div></section>
+<p id="msg" role="status"></p>
+<section id="bookmarklet" class="hidden"><h2>The bookmarklet</h2>
+<p class="muted">Drag this link to your bookmarks bar (on a phone or in Safari: bookmark any
+page, then edit the bookmark and paste the text below as its address). On a page you want to
+keep, press it: this window opens and clips it. Images stay links to where they are.</p>
+<p><a id="bm-link" href="#">Clip to notesvc</a></p>
+<label for="bm-code">The bookmark's address</label><input id="bm-code" type="text" readonly>
+<div class="row"><button id="forget" type="button">Forget this page's key</button></div>
+</section></main><script>{js}</script></body></html>
+"""[1:]
+# --- end web/clip.html ---
+
+
+def clip_page() -> str:
+    """Return the bookmarklet's page (/clip): it keeps its own key, takes the page the
+    bookmarklet hands it by postMessage, and sends the clip."""
+    return CLIP_PAGE.replace("{css}", PAGE_CSS).replace("{js}", CLIP_JS)
+
+
+def clip_page_headers() -> dict:
+    return {
+        "Content-Security-Policy": _page_csp(CLIP_JS),
+        "Referrer-Policy": "no-referrer",
+        "X-Robots-Tag": "noindex, nofollow",
+        "Cache-Control": "no-store",
+    }
+
+
 def shared_origin_page(page: str) -> str:
     """Return a page marked for a relay's shared origin (a relay without a domain): its
     script then keeps nothing in browser storage, since every server's page shares it."""
@@ -30414,6 +35863,7 @@ _PAGES = {
     "client": web_client_page,
     "consent": consent_page,
     "share": share_page,
+    "clip": clip_page,
     "landing": lambda: RELAY_LANDING_HTML,
 }
 
@@ -30506,6 +35956,7 @@ LINGER_MAX_BYTES = 64 * 1024 * 1024
 LINGER_SECONDS = 10.0
 LINGER_IDLE_SECONDS = 2.0
 RELAY_MAX_LINGERING = 128  # connections a relay lingers on at once (the rest close at once)
+UPGRADED = object()  # _serve_one: the connection became a splice's data connection
 RELAY_ID_RE = re.compile(r"^[a-z2-7]{20}\Z")
 RELAY_CODE_RE = re.compile(r"^[A-Za-z0-9-]{1,64}\Z")
 _TOKEN_CHARS_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
@@ -30550,6 +36001,7 @@ class RelayRequest:
     peer: str
     keep_alive: bool
     server_id: str = ""  # the server whose own origin (Host) the request came to
+    scheme: str = "http"  # https when TLS ended on the relay's own TLS port
 
     def header(self, name: str, default: str = "") -> str:
         name = name.lower()
@@ -30736,6 +36188,7 @@ class _RelayServer:
     waiting: dict = dataclasses.field(default_factory=dict)  # request id -> future of reply
     last_seen: float = 0.0
     code: str = ""  # its relay code, once it gave one (held while it is registered)
+    passthrough: bool = False  # registered with passthrough: true (its clients are spliced)
 
 
 class RelayHub:
@@ -30756,6 +36209,7 @@ class RelayHub:
         self.registrations: dict = {}  # client address -> deque of times
         self.closed = False
         self._expired_at = -1.0
+        self.dial_waits: Any = lambda token: False  # is a dial's client still waiting?
 
     def close(self) -> None:
         """Wake every long-poll and waiting client (the relay is stopping)."""
@@ -30792,7 +36246,9 @@ class RelayHub:
         if not token or not hmac.compare_digest(relay_server_id(token), server_id):
             raise ApiError(403, "FORBIDDEN", "this relay token does not certify that server id")
 
-    def register(self, server_id: str, token: str, relay_code: str, addr: str) -> None:
+    def register(
+        self, server_id: str, token: str, relay_code: str, addr: str, passthrough: bool = False
+    ) -> None:
         now = time.monotonic()
         self._rate_limit(addr, now)
         self.check_token(server_id, token)
@@ -30809,6 +36265,7 @@ class RelayHub:
                 )
             slot = self.servers[server_id] = _RelayServer()
         slot.last_seen = now
+        slot.passthrough = passthrough
         if relay_code:
             if slot.code and slot.code != relay_code.lower():
                 self.codes.pop(slot.code, None)
@@ -30875,7 +36332,9 @@ class RelayHub:
         slot.last_seen = time.monotonic()
         while slot.queue:
             request = slot.queue.popleft()
-            if request["id"] in slot.waiting:  # its client may have given up meanwhile
+            if request.get("id") in slot.waiting:  # its client may have given up meanwhile
+                return request
+            if request.get("kind") == "dial" and self.dial_waits(request["token"]):
                 return request
         if self.closed:
             return None
@@ -30889,6 +36348,38 @@ class RelayHub:
             slot.last_seen = time.monotonic()
             with contextlib.suppress(ValueError):
                 slot.pollers.remove(fut)
+
+    def splices_to(self, server_id: str) -> bool:
+        """Return whether a server registered here in passthrough mode (and is polling)."""
+        slot = self.servers.get(server_id)
+        return (
+            slot is not None
+            and slot.passthrough
+            and time.monotonic() - slot.last_seen <= RELAY_EXPIRY
+        )
+
+    def dial(self, server_id: str, message: dict):
+        """Put a dial in a server's long-poll; return True, or False when it cannot be (not
+        connected, its queue full of requests), or the token of the oldest dial it took the
+        place of (a queue full of dials: the newest client comes first, so a flood of
+        unfinished handshakes cannot keep the owner out)."""
+        slot = self.servers.get(server_id)
+        if slot is None:
+            return False
+        while slot.pollers:
+            poller = slot.pollers.popleft()
+            if not poller.done():
+                poller.set_result(message)
+                return True
+        if len(slot.queue) >= self.config.relay_max_queue:
+            oldest = next((m for m in slot.queue if m.get("kind") == "dial"), None)
+            if oldest is None:
+                return False
+            slot.queue.remove(oldest)
+            slot.queue.append(message)
+            return oldest["token"]
+        slot.queue.append(message)
+        return True
 
     def reply(self, server_id: str, token: str, request_id: str, answer: dict) -> None:
         slot = self._slot(server_id, token)
@@ -30941,10 +36432,11 @@ class RelayHub:
 class _Conn:
     """One client connection; `busy` while a request is in flight or a poll is held."""
 
-    __slots__ = ("busy", "opened", "peer", "writer")
+    __slots__ = ("busy", "opened", "peer", "scheme", "writer")
 
     def __init__(self, writer: asyncio.StreamWriter, peer: str):
         self.writer, self.peer, self.busy, self.opened = writer, peer, False, time.monotonic()
+        self.scheme = "http"
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -30961,6 +36453,18 @@ class RelayServer:
         self.lingering = 0  # connections draining a refused body (_linger)
         self.server: asyncio.AbstractServer | None = None
         self.domain = config.relay_domain  # "": no per-server origins (pages path-based)
+        # passthrough (SERVICE_RELAY_TLS): the TLS port, the challenge records and who
+        # holds them (its own DNS, or another DNS server by RFC 2136 updates)
+        self.front: TlsFront | None = None
+        self.dns: DnsServer | None = None
+        self.updater: DnsUpdater | None = None
+        self.challenges = ChallengeRecords(config.relay_max_servers)
+        if config.relay_tls == "passthrough":
+            self.front = TlsFront(config, self.hub, self._serve_connection)
+            self.hub.dial_waits = lambda token: token in self.front.dials
+            if config.relay_dns_update:
+                name, secret = tsig_setting(config.relay_dns_tsig_secret)
+                self.updater = DnsUpdater(config.relay_dns_update, name, secret, self.domain)
         assets = re.compile("^(" + "|".join(map(re.escape, WEB_ASSETS)) + ")$")
         prefixed = r"^/r/([^/]+)"
         # The relay's own host: its API for servers, the path-based JSON routes of every
@@ -30975,6 +36479,8 @@ class RelayServer:
             ("POST", re.compile(r"^/relay/v1/reply/([^/]+)/([^/]+)$"), self.reply),
             ("POST", re.compile(r"^/relay/v1/code/([^/]+)$"), self.set_code),
             ("GET", re.compile(r"^/relay/v1/pair/([^/]+)$"), self.pair),
+            ("PUT", re.compile(r"^/relay/v1/acme/([^/]+)$"), self.acme),
+            ("DELETE", re.compile(r"^/relay/v1/acme/([^/]+)$"), self.acme),
             ("*", re.compile(prefixed + r"(/api/v1(?:/.*)?)$", re.S), self.forward),
             ("GET", RELAYED_WELL_KNOWN_RE, self.forward_well_known),
             ("POST", re.compile(prefixed + r"(/oauth/(?:token|register|revoke))$"), self.forward),
@@ -31004,15 +36510,48 @@ class RelayServer:
     # -- connections ---------------------------------------------------------------
 
     async def start(self) -> int:
-        """Listen; return the port."""
-        self.server = await asyncio.start_server(
-            self._serve_connection,
-            self.config.host,
-            self.config.port,
-            limit=RELAY_MAX_HEAD,
-            backlog=1024,
-        )
-        return self.server.sockets[0].getsockname()[1]
+        """Listen (HTTP; with passthrough, TLS and DNS too); return the HTTP port."""
+        shared = self.front is not None and self.config.relay_tls_port == self.config.port
+        if shared and self.config.port:  # one port: the TLS front takes HTTP too
+            port = await self.front.start(shared=True)
+        else:
+            self.server = await asyncio.start_server(
+                self._serve_connection,
+                self.config.host,
+                self.config.port,
+                limit=RELAY_MAX_HEAD,
+                backlog=1024,
+            )
+            port = self.server.sockets[0].getsockname()[1]
+            if self.front is not None:
+                await self.front.start(shared=False)
+        if self.front is not None and self.updater is None:
+            zone = DnsZone(self.domain, self.dns_addresses(), self.challenges)
+            self.dns = DnsServer(zone, self.config.host, self.config.relay_dns_port)
+            await self.dns.start()
+        return port
+
+    def dns_addresses(self) -> tuple:
+        """Return the A/AAAA answers for D and *.D: SERVICE_RELAY_DNS_ADDRESSES, else
+        SERVICE_HOST when it names one address, else the default-route address."""
+        if self.config.relay_dns_addresses:
+            return self.config.relay_dns_addresses
+        host = self.config.host.strip("[]")
+        if host not in ("", "0.0.0.0", "::") and ip_of(host) is not None:
+            return (host,)
+        found = lan_address().strip("[]")
+        if not found:
+            log.warning("relay: no address for DNS answers: set SERVICE_RELAY_DNS_ADDRESSES")
+        return (found,) if found else ()
+
+    def close(self) -> None:
+        """Stop listening (HTTP, TLS, DNS)."""
+        if self.server is not None:
+            self.server.close()
+        if self.front is not None:
+            self.front.close()
+        if self.dns is not None:
+            self.dns.close()
 
     def _admit(self, conn: _Conn) -> None:
         """Track a connection; close the address's oldest idle one beyond the cap."""
@@ -31030,14 +36569,24 @@ class RelayServer:
             if not conns:
                 del self.by_addr[conn.peer]
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        peer = (writer.get_extra_info("peername") or ("?", 0))[0]
+    async def _serve_connection(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: str = "",
+        scheme: str = "http",
+    ):
+        """Serve one connection's requests; `peer` and `scheme` as the TLS port found them
+        (a trusted proxy's PROXY header; TLS ended here)."""
+        peer = peer or (writer.get_extra_info("peername") or ("?", 0))[0]
         conn = _Conn(writer, peer)
+        conn.scheme = scheme
         self._admit(conn)
+        keep_alive = None
         try:
             while not self.hub.closed:
                 keep_alive = await self._serve_one(conn, reader, writer)
-                if not keep_alive:
+                if not keep_alive or keep_alive is UPGRADED:
                     break
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
@@ -31045,7 +36594,8 @@ class RelayServer:
             log.exception("relay: connection from %s failed", peer)
         finally:
             self._forget(conn)
-            conn.close()
+            if keep_alive is not UPGRADED:  # (a data connection now: the splice has it)
+                conn.close()
 
     async def _serve_one(self, conn: _Conn, reader, writer) -> bool:
         timeout = self.config.idle_timeout
@@ -31070,6 +36620,8 @@ class RelayServer:
                 conn.busy = False
                 await self._linger(reader, writer, LINGER_MAX_BYTES)
                 return False
+            if method == "POST" and path.startswith("/relay/v1/dial/"):
+                return await self._dial(conn, reader, writer, path, headers, length)
             host = next((v for k, v in headers if k.lower() == "host"), "")
             limit = self._body_limit(path, host)
             if length > limit:
@@ -31105,6 +36657,7 @@ class RelayServer:
                 await self._linger(reader, writer, LINGER_MAX_BYTES)
                 return False
             request = RelayRequest(method, path, query, headers, body, conn.peer, keep_alive)
+            request.scheme = conn.scheme
             started = time.perf_counter()
             status, out_headers, out_body = await self._route(request)
             await self._send(writer, status, out_headers, out_body, keep_alive)
@@ -31119,6 +36672,36 @@ class RelayServer:
             return keep_alive
         finally:
             conn.busy = False
+
+    async def _dial(self, conn: _Conn, reader, writer, path: str, headers: list, length: int):
+        """`POST /relay/v1/dial/<serverId>/<token>` (Upgrade: notesvc-splice): a server's
+        data connection for a client waiting on the TLS port. 101 and the splice, or 403
+        (a wrong, used or expired token) and close."""
+        m = re.match(r"^/relay/v1/dial/([^/]+)/([^/]+)$", path)
+        upgrade = next((v for k, v in headers if k.lower() == "upgrade"), "")
+        token = next((v for k, v in headers if k.lower() == "x-relay-token"), "")
+        if self.front is None:
+            answer = self._error(404, "this relay does not offer passthrough")
+        elif not m or length != 0 or upgrade.strip().lower() != SPLICE_UPGRADE:
+            answer = self._error(400, f"a dial is a POST with Upgrade: {SPLICE_UPGRADE}, no body")
+        else:
+            try:
+                self.hub.check_token(m.group(1), token)
+                dial = self.front.take_dial(m.group(1), m.group(2))
+                if dial is None:
+                    raise ApiError(403, "FORBIDDEN", "no client waits under that dial token")
+            except ApiError as e:
+                answer = self._error(e.status_code, e.message, e.code)
+            else:
+                writer.write(
+                    b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                    + f"Upgrade: {SPLICE_UPGRADE}\r\n\r\n".encode()
+                )
+                early = bytes(reader._buffer) if getattr(reader, "_buffer", None) else b""
+                await self.front.join(dial, writer, early)
+                return UPGRADED
+        await self._send(writer, *answer, False)
+        return False
 
     async def _linger(self, reader, writer, budget: int) -> None:
         """After an early error: shut the sending side (the answer is out), then read and
@@ -31268,7 +36851,7 @@ class RelayServer:
 
     def base_url(self, req: RelayRequest) -> str:
         environ = {
-            "wsgi.url_scheme": "http",
+            "wsgi.url_scheme": req.scheme,
             "HTTP_HOST": req.header("Host"),
             "REMOTE_ADDR": req.peer,
             "SERVER_PORT": str(self.config.port),
@@ -31288,6 +36871,15 @@ class RelayServer:
             "uptimeSeconds": round(time.time() - self.started, 3),
             "servers": len(self.hub.servers),
             "queued": sum(len(slot.queue) for slot in self.hub.servers.values()),
+            **({"passthrough": self.passthrough_stats()} if self.front is not None else {}),
+        }
+
+    def passthrough_stats(self) -> dict:
+        return {
+            "servers": sum(1 for s in self.hub.servers.values() if s.passthrough),
+            **self.front.stats(),
+            "challenges": len(self.challenges.values),
+            "dns": f"updates to {self.config.relay_dns_update}" if self.updater else "own",
         }
 
     def info(self, req: RelayRequest) -> dict:
@@ -31296,7 +36888,17 @@ class RelayServer:
             "domain": self.domain or None,
             "perServerOrigins": bool(self.domain),
             "publicUrl": self.config.public_url or self.base_url(req),
+            "passthrough": self.front is not None,
+            **({"tlsPort": self.tls_port()} if self.front is not None else {}),
         }
+
+    def tls_port(self) -> int:
+        """Return the port clients reach <id>.D on: SERVICE_PUBLIC_URL's when it is https
+        (a proxy in front), else the TLS port this relay listens on."""
+        parts = urllib.parse.urlsplit(self.config.public_url)
+        if parts.scheme == "https":
+            return parts.port or 443
+        return self.front.port if self.front is not None else 0
 
     def server_origin(self, req: RelayRequest, server_id: str) -> str:
         """Return https://<serverId>.<domain>[:port]: the scheme and port of the relay's
@@ -31381,8 +36983,12 @@ class RelayServer:
             raise bad_request("the server id must be 20 characters of a-z and 2-7")
         if code and not RELAY_CODE_RE.match(code):
             raise bad_request("a relay code is 1-64 letters, digits and dashes")
-        self.hub.register(server_id, token, code, self.client_addr(req))
-        return {"registered": True, "serverId": server_id}
+        passthrough = body.get("passthrough", False)
+        if not isinstance(passthrough, bool):
+            raise bad_request("passthrough must be true or false")
+        offered = self.front is not None
+        self.hub.register(server_id, token, code, self.client_addr(req), passthrough and offered)
+        return {"registered": True, "serverId": server_id, "passthrough": offered}
 
     async def poll(self, req: RelayRequest, server_id: str):
         request = await self.hub.poll(server_id, req.header("X-Relay-Token"))
@@ -31411,6 +37017,46 @@ class RelayServer:
         token = field(body, "token", max_len=256)
         self.hub.set_code(code, server_id, token, self.client_addr(req))
         return {"relayCode": code.lower(), "serverId": server_id}
+
+    async def acme(self, req: RelayRequest, server_id: str) -> dict:
+        """PUT /relay/v1/acme/<serverId> {values}: the `TXT _acme-challenge.<id>.D` of
+        that server, set only with its token (X-Relay-Token) while it is registered here;
+        DELETE clears it. Gone after 10 minutes."""
+        if self.front is None:
+            raise not_found("this relay does not offer passthrough")
+        self.hub._slot(server_id, req.header("X-Relay-Token"))
+        values = []
+        if req.method == "PUT":
+            values = self._json(req).get("values")
+            if (
+                not isinstance(values, list)
+                or not 1 <= len(values) <= CHALLENGE_MAX_VALUES
+                or not all(
+                    isinstance(v, str)
+                    and 1 <= len(v) <= CHALLENGE_MAX_BYTES
+                    and re.fullmatch(r"[!-~]+", v)
+                    for v in values
+                )
+            ):
+                raise bad_request(
+                    f"values: 1-{CHALLENGE_MAX_VALUES} strings of 1-{CHALLENGE_MAX_BYTES} "
+                    "printable ASCII characters"
+                )
+        try:
+            if self.updater is not None and values:
+                await self.updater.set(server_id, values)
+            elif self.updater is not None:
+                await self.updater.clear(server_id)
+            elif values:
+                self.challenges.set(server_id, values)
+            else:
+                self.challenges.clear(server_id)
+        except DnsError as e:
+            code = "RATE_LIMITED" if e.rcode == 5 and self.updater is None else "UPSTREAM_ERROR"
+            raise ApiError(429 if code == "RATE_LIMITED" else 502, code, str(e)) from None
+        except OSError as e:
+            raise ApiError(502, "UPSTREAM_ERROR", f"the DNS server: {e}") from None
+        return {"name": f"_acme-challenge.{server_id}.{self.domain}", "values": values}
 
     def pair(self, req: RelayRequest, code: str) -> dict:
         server_id = self.hub.pair(code)
@@ -31592,6 +37238,9 @@ def _private_path(path: str) -> str:
 _SECRET_PATH_RE = re.compile(r"^(/ics/|/s/)[^/]*?([^/]{0,4}?)(?:\.ics)?$")
 
 
+# == src/notesvc/relay_client.py ==============================================
+# The server's link to its relay: RelayClient registers, long-polls, answers, dials in.
+
 RELAY_WORKERS = 4  # relayed requests a server answers at once (change-feed waits: half)
 
 
@@ -31602,11 +37251,18 @@ class RelayClient:
     small worker pool, so a slow request never holds up the next poll.
     """
 
-    def __init__(self, app: NotesApp):
+    def __init__(self, app: NotesApp, listener: Any = None):
         import concurrent.futures
 
         self.app, self.svc = app, app.service
         self.url = self.svc.config.relay_url
+        # passthrough (SERVICE_RELAY_PASSTHROUGH=auto): `listener` is waitress's, which
+        # spliced connections join as channels of their own
+        self.passthrough = (
+            Passthrough(self.svc, listener, self._call, self.register)
+            if self.svc.config.relay_passthrough == "auto"
+            else None
+        )
         self.state, self.error, self.since = "connecting", None, iso(utcnow())
         self._stop = threading.Event()
         self._registered_code = None
@@ -31622,9 +37278,17 @@ class RelayClient:
     def stop(self) -> None:
         self._stop.set()
         self._workers.shutdown(wait=False)
+        if self.passthrough is not None:
+            self.passthrough.stop()
 
     def status(self) -> dict:
-        return {"url": self.url, "state": self.state, "since": self.since, "lastError": self.error}
+        found = {"url": self.url, "state": self.state, "since": self.since, "lastError": self.error}
+        found["mode"] = "relayed"  # TLS ends at the relay (or before it): it can read requests
+        if self.passthrough is not None:
+            found["passthrough"] = self.passthrough.status()
+            if self.passthrough.active:
+                found["mode"] = "passthrough"
+        return found
 
     def _set(self, state: str, error: str | None = None) -> None:
         if state != self.state:
@@ -31675,12 +37339,17 @@ class RelayClient:
         """Register this server (and its relay code); UpstreamError, or RelayRefused."""
         st = self.svc.state.read()
         sid, code = st["serverId"], st["relayCode"]
-        status, answer = self._call(
-            "POST", f"/relay/v1/register/{sid}", {"token": st["relayToken"], "relayCode": code}
-        )
+        asked = self.passthrough is not None and self.passthrough.wanted()
+        body = {"token": st["relayToken"], "relayCode": code}
+        if asked:  # a certificate for <id>.D in hand: the relay splices its clients to us
+            body["passthrough"] = True
+        status, answer = self._call("POST", f"/relay/v1/register/{sid}", body)
         said = [st["relayToken"]]  # a relay that says it back: never into the log or the info
         if status != 200:
             raise RelayRefused(status, scrub(_relay_message(answer, status), said))
+        if self.passthrough is not None:
+            data = answer.get("data") if isinstance(answer, dict) else None
+            self.passthrough.registered(asked, data if isinstance(data, dict) else {})
         status, answer = self._call(
             "POST", f"/relay/v1/code/{code}", {"serverId": sid, "token": st["relayToken"]}
         )
@@ -31701,6 +37370,8 @@ class RelayClient:
             if parts.scheme in ("http", "https") and valid_host(f"{sid}.{domain}"):
                 port = f":{parts.port}" if parts.port else ""
                 origin = f"{parts.scheme}://{sid}.{domain}{port}"
+        if self.passthrough is not None and isinstance(info, dict):
+            origin = self.passthrough.learn(info, sid) or origin  # https://<id>.D, TLS here
         known = {"relay": self.url, "origin": origin}
         if self.svc.state.read().get("relayOrigin") != known:
             self.svc.state.update(lambda data: data.update(relayOrigin=known))
@@ -31720,7 +37391,10 @@ class RelayClient:
                     if stale or self.svc.state.read()["relayCode"] != self._registered_code:
                         self.register()  # the key (and with it the relay code) was rotated
                     request = self._poll()
-                    if request is not None:
+                    if request is not None and request.get("kind") == "dial":
+                        if self.passthrough is not None:  # a client on the TLS port: dial in
+                            self.passthrough.dial(request)
+                    elif request is not None:
                         self._workers.submit(self._serve, request)
             except RelayRefused as e:
                 self._set("refused", e.message)
@@ -31756,7 +37430,11 @@ class RelayClient:
             self._call(
                 "POST",
                 f"/relay/v1/reply/{sid}/{request['id']}",
-                {"status": status, "headers": headers, "body": _b64(body)},
+                {
+                    "status": status,
+                    "headers": headers,
+                    "body": base64.b64encode(body).decode("ascii"),
+                },
                 timeout=30,
             )
         except Exception:  # the client gets a 504 from the relay; we log why
@@ -31764,6 +37442,8 @@ class RelayClient:
 
     def _dispatch(self, request: dict) -> tuple:
         """Run one relayed request through the app in-process; return (status, headers, body)."""
+        if self.passthrough is not None:  # (the relay could read this one: counted)
+            self.passthrough.terminated.add()
         body = base64.b64decode(request.get("body", ""))
         sid = self.svc.state.read()["serverId"]
         # "" when the request came to this server's own origin on the relay, else /r/<id>
@@ -32149,11 +37829,13 @@ def get_info(svc: Service) -> dict:
         },
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
         "embeddings": svc.embedder.info() if svc.embedder is not None else None,
+        "attachmentText": svc.reader.info() if svc.reader is not None else None,
         "connection": svc.relay_client.status()
         if svc.relay_client
         else {
             "url": svc.config.relay_url or "(this server)",
             "state": "self" if not svc.config.relay_url else "off",
+            "mode": "self" if not svc.config.relay_url else "off",
         },
     }
 
@@ -32829,8 +38511,10 @@ def list_changes(svc: Service) -> dict:
     if page["changes"] or not wait:
         return page
     # A waiting feed holds a worker thread: at most max_waiters at once, so the others
-    # keep serving (relayed requests have their own small pool: half of it).
-    if bottle.request.environ.get("notesvc.relayed"):
+    # keep serving (relayed requests have their own small pool: half of it; spliced ones,
+    # served by waitress as direct ones are, share the direct pool).
+    env = bottle.request.environ
+    if env.get("notesvc.relayed") and not env.get("notesvc.spliced"):
         pool, cap = "relay", min(svc.config.max_waiters, RELAY_WORKERS // 2)
     else:
         pool, cap = "direct", svc.config.max_waiters
@@ -34413,7 +40097,8 @@ def _receive_import_form(svc: Service, parsed: Any, spool: Any, fields: dict) ->
 def get_export(svc: Service):
     """GET /export.zip: the notes, attachments and other files the key sees, streamed."""
     principal = request_principal()
-    if bottle.request.environ.get("notesvc.relayed"):  # the relay carries bounded answers
+    env = bottle.request.environ
+    if env.get("notesvc.relayed") and not env.get("notesvc.spliced"):  # bounded by the relay
         total = sum(st.st_size for _, _, st in export_files(svc.config.root, principal))
         if total > svc.config.max_body_bytes:
             raise too_large_for_relay(total, svc.config.max_body_bytes)
@@ -37108,10 +42793,26 @@ def _shared_folder(svc: Service, raw: str) -> str:
 
 
 def get_members(svc: Service, path: str) -> dict:
+    """GET /folders/:path/members: the folder's members (its own, then the inherited ones)
+    and, for a principal who may share it, `candidates`: the people it may be shared with
+    (everyone but the one sharing and the person whose home holds it), so a person's Share
+    dialog can name them without the owner's list of people."""
     folder = _shared_folder(svc, path)
     if not svc.notes.on_disk(folder).is_dir():  # (moved away, or never made)
         raise not_found(f"no folder at {folder}")
-    return {"path": folder, "members": svc.people.members(folder)}
+    answer = {"path": folder, "members": svc.people.members(folder)}
+    who = request_principal()
+    data = svc.state.read()
+    homes = {p["id"]: p["home"] for p in svc.people.people(data)}
+    may_share = who.allows("write") and (who.whole or who.may_write(folder))
+    if may_share and (not who.person or inside(folder, homes.get(who.person, NOTES + "/"))):
+        holder = next((pid for pid, home in homes.items() if inside(folder, home)), None)
+        answer["candidates"] = [
+            {"id": p["id"], "name": p["name"]}
+            for p in sorted(svc.people.people(data), key=lambda p: p["name"].casefold())
+            if p["id"] not in (who.person, holder)
+        ]
+    return answer
 
 
 def put_members(svc: Service, path: str) -> dict:
@@ -37129,9 +42830,180 @@ def put_members(svc: Service, path: str) -> dict:
 
 
 def list_shared_with_me(svc: Service) -> dict:
-    """GET /shared: the folders shared with the person asking (none for the owner)."""
-    person = request_principal().person
-    return {"folders": svc.people.shared_with(person) if person else []}
+    """GET /shared: the folders shared with the person asking (none for the owner), and
+    `shares`: the shared folders that are the asker's own, with their members (a person's:
+    those in their home, whoever shared them; the owner's: every shared folder), so a list
+    can mark what is shared and with whom."""
+    who = request_principal()
+    data = svc.state.read()
+    me = svc.people.get(who.person, data) if who.person else None
+    shares = []
+    for folder in sorted(data.get("members", {})):
+        mine = inside(folder, me["home"]) if me else who.whole and who.allows("write")
+        if mine and who.sees(folder):
+            shares.append({"path": folder, "members": svc.people.members(folder)})
+    folders = svc.people.shared_with(who.person) if who.person else []
+    return {"folders": folders, "shares": shares}
+
+
+# == src/notesvc/http/capture.py ==============================================
+# Handlers for capture: clips (/capture/clip, the /clip page), voice notes, file text.
+
+# -- clips ------------------------------------------------------------------------------------
+
+
+def post_clip(svc: Service) -> dict:
+    """POST /capture/clip {url, title, html, selection?, images?, folder?, new?}: 201 with
+    the note (`updated`: it was the same URL's note, one the caller may write)."""
+    body = read_json(svc.config.max_attachment_bytes)
+    answer, _created = save_clip(svc, request_principal(), body)
+    script = bottle.request.environ.get("SCRIPT_NAME", "")
+    location = f"{script}{API}/notes/{urllib.parse.quote(answer['path'], safe='')}"
+    bottle.response.set_header("Location", location)
+    bottle.response.set_header("ETag", answer["etag"])
+    return answer
+
+
+def get_clip_page(svc: Service) -> str:
+    """GET /clip: the bookmarklet's page (it keeps its own device key, takes the page the
+    bookmarklet hands it by postMessage, and sends the clip)."""
+    bottle.response.content_type = "text/html; charset=utf-8"
+    for name, value in clip_page_headers().items():
+        bottle.response.set_header(name, value)
+    return clip_page()
+
+
+# -- voice notes -------------------------------------------------------------------------------
+
+# What a recording may be, by its first bytes: (type prefix, extension).
+AUDIO_MAGIC = (
+    (b"\x1a\x45\xdf\xa3", "webm"),  # WebM (Chromium, Firefox: Opus)
+    (b"OggS", "ogg"),
+)
+AUDIO_TYPES = {
+    "audio/webm": "webm",
+    "video/webm": "webm",
+    "audio/ogg": "ogg",
+    "audio/mp4": "m4a",
+    "video/mp4": "m4a",
+    "audio/x-m4a": "m4a",
+    "audio/aac": "aac",
+    "audio/mpeg": "mp3",
+    "audio/wav": "wav",
+    "audio/x-wav": "wav",
+}
+
+
+def audio_extension(head: bytes) -> str | None:
+    """Return the extension an audio file's first bytes say (webm, ogg, m4a, mp3, wav,
+    aac), None when they are not audio a recorder makes."""
+    for magic, ext in AUDIO_MAGIC:
+        if head.startswith(magic):
+            return ext
+    if head[4:8] == b"ftyp":
+        return "m4a"
+    if head[:4] == b"RIFF" and head[8:12] == b"WAVE":
+        return "wav"
+    if head[:3] == b"ID3" or (len(head) > 1 and head[0] == 0xFF and head[1] & 0xF6 == 0xF2):
+        return "mp3"
+    if len(head) > 1 and head[0] == 0xFF and head[1] & 0xF6 == 0xF0:
+        return "aac"
+    return None
+
+
+def post_voice(svc: Service) -> dict:
+    """POST /capture/voice (the audio's bytes; ?folder=): the recording kept as an
+    attachment, a note with it and its transcript (SERVICE_TRANSCRIBE_URL) -> 201."""
+    principal = request_principal()
+    ctype = bottle.request.content_type.split(";")[0].strip().lower()
+    if ctype not in AUDIO_TYPES:
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            f"send the recording's bytes as one of {', '.join(sorted(set(AUDIO_TYPES)))}",
+        )
+    raw_folder = query_str("folder") or None
+    folder = clip_folder(svc, principal, raw_folder)
+    now = local_time(time.time(), time_zone(svc.config.timezone))
+    limit = svc.config.max_attachment_bytes
+    read, _ = request_body_reader(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
+    head = bytearray()
+
+    def copy(f) -> None:
+        while chunk := read(BODY_CHUNK):
+            if len(head) < 16:
+                head.extend(chunk[:16])
+            f.write(chunk)
+
+    tmp = svc.attachments.spool(copy)
+    ext = audio_extension(bytes(head))
+    if ext is None:
+        tmp.unlink(missing_ok=True)
+        if not head:
+            raise bad_request("the recording is empty")
+        raise bad_request("the body is not a recording (WebM, Ogg, MP4, MP3, WAV or AAC)")
+    path = attachment_path(f"{attachments_twin(folder)}/{now:%Y-%m-%d}/{now:%H%M%S}-voice.{ext}")
+    if not (principal.whole or principal.may_write(path)):
+        tmp.unlink(missing_ok=True)
+        raise ApiError(403, "FORBIDDEN", f"this key may not write files at {path}")
+    rec, _ = svc.attachments.place(tmp, path, unique=True)
+    transcript, said = None, ""
+    if svc.config.transcribe_url:
+        try:
+            transcript = " ".join(transcribe(svc, rec["path"]).split())
+        except UpstreamError as e:
+            said = f"(Not transcribed: {clip(str(e), 200)}.)"
+    else:
+        said = "(Not transcribed: this server has no SERVICE_TRANSCRIBE_URL.)"
+    title = f"Voice note {now:%Y-%m-%d %H:%M}"
+    href = urllib.parse.quote(posixpath.relpath(rec["path"], folder), safe="/")
+    body = f"# {title}\n\n[Voice note]({href})\n\n"
+    if transcript:
+        body += transcript + "\n"
+    elif transcript is not None:
+        body += "(Nothing was heard.)\n"
+    else:
+        body += said + "\n"
+    note = svc.notes.create_named(folder, title_filename(title), body)
+    bottle.response.status = 201
+    return {
+        "path": note["path"],
+        "etag": note["etag"],
+        "attachment": rec["path"],
+        "transcript": transcript,
+        "transcribed": transcript is not None,
+    }
+
+
+# -- what the page needs ----------------------------------------------------------------------
+
+
+def secure_address(svc: Service, env: dict) -> str | None:
+    """Return an https address of this server the person can open (SERVICE_PUBLIC_URL, its
+    own origin on the relay, the relay's path), None when it has none."""
+    cfg = svc.config
+    if cfg.public_url.startswith("https://"):
+        return cfg.public_url.rstrip("/") + "/"
+    origin = svc.relay_origin()
+    if origin:
+        return origin + "/"
+    if cfg.relay_url.startswith("https://"):
+        return svc.relay_base(env) + "/"
+    return None
+
+
+def get_capture(svc: Service) -> dict:
+    """GET /capture: what Record and the line about the text inside files need."""
+    env = bottle.request.environ
+    reader = svc.reader.info() if svc.reader is not None else {"enabled": False}
+    return {
+        "record": {
+            "transcribe": bool(svc.config.transcribe_url),
+            "secureUrl": secure_address(svc, env),
+            "maxBytes": svc.config.max_attachment_bytes,
+        },
+        "attachmentText": reader,
+    }
 
 
 # == src/notesvc/http/routes.py ===============================================
@@ -37174,6 +43046,16 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 _STR = {"type": "string"}
 _NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
+_HOME = {  # a folder below notes/, never notes/ itself
+    **_FOLDER_PATH,
+    "minLength": 7,
+    "pattern": _FOLDER_PATH["pattern"].replace(")*/?$", ")+/?$"),
+    "examples": ["notes/Ann"],
+}
+_SUBFOLDER_PARAM = {
+    **FOLDER_PATH_PARAM,
+    "pattern": FOLDER_PATH_PARAM["pattern"].replace(")*/?$", ")+/?$"),
+}
 _VERSION_ID = {
     "type": "string",
     "pattern": json_pattern(VERSION_ID_RE),
@@ -38104,8 +43986,8 @@ ROUTES = (
         "device, shown once",
         body=_obj(
             ["name"],
-            name={**_STR, "minLength": 1, "maxLength": 64, "pattern": NOT_BLANK_PATTERN},
-            home=_FOLDER_PATH,
+            name=FOLDER_NAME_SCHEMA,
+            home=_HOME,
         ),
         status=201,
         tag="people",
@@ -38125,7 +44007,7 @@ ROUTES = (
         "/people/<person_id>",
         rename_person,
         summary="Rename a person (their home keeps its name)",
-        body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 64}),
+        body=_obj(["name"], name=FOLDER_NAME_SCHEMA),
         tag="people",
         scope="admin",
     ),
@@ -38160,7 +44042,7 @@ ROUTES = (
         get_members,
         summary="Who a folder is shared with: its own members, then those of the folders "
         "above it (inherited)",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": _SUBFOLDER_PARAM},
         tag="people",
         scope="read",
     ),
@@ -38170,7 +44052,7 @@ ROUTES = (
         put_members,
         summary="Share a folder: replace its members (the owner any folder, a person one of "
         "their home)",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": _SUBFOLDER_PARAM},
         body=_obj(
             ["members"],
             members={
@@ -38190,6 +44072,70 @@ ROUTES = (
         tag="people",
         scope="read",
     ),
+    Route(
+        "POST",
+        "/capture/clip",
+        post_clip,
+        summary="Clip a web page as the browser rendered it: Markdown, its images attached; "
+        "the same URL again updates its note (`updated`) unless `new`",
+        body={
+            **_obj(
+                ["url"],
+                url={
+                    **_STR,
+                    "minLength": 1,
+                    "maxLength": 4096,
+                    "pattern": "^[Hh][Tt][Tt][Pp][Ss]?://[^/?#]",
+                },
+                title={**_STR, "maxLength": 1000},
+                html={**_STR, "maxLength": MAX_CLIP_HTML_BYTES},
+                selection={**_STR, "maxLength": MAX_CLIP_HTML_BYTES},
+                images={
+                    "type": "array",
+                    "maxItems": MAX_CLIP_IMAGES,
+                    "items": _obj(
+                        ["src"],
+                        src={**_STR, "maxLength": 8192},
+                        data={**_STR, "description": "the image's bytes, base64"},
+                        type=_STR,
+                        path={**ATTACHMENT_PATH_SCHEMA, "description": "an image uploaded first"},
+                    ),
+                },
+                folder=_FOLDER_PATH,
+                new={"type": "boolean"},
+            ),
+            "additionalProperties": False,
+            "anyOf": [{"required": ["html"]}, {"required": ["selection"]}],
+        },
+        status=201,
+        tag="capture",
+        scope="write",
+        idempotent=True,
+    ),
+    Route(
+        "POST",
+        "/capture/voice",
+        post_voice,
+        summary="A voice note: the recording's bytes kept as an attachment, a note with it and "
+        "its transcript (SERVICE_TRANSCRIBE_URL)",
+        body={"type": "string", "format": "binary"},
+        body_media="audio/webm",
+        params={"folder": FOLDER_PATH_SCHEMA},
+        status=201,
+        tag="capture",
+        scope="write",
+        idempotent=True,
+    ),
+    Route(
+        "GET",
+        "/capture",
+        get_capture,
+        summary="What Record needs (transcription on, an HTTPS address) and how far the reader "
+        "of PDFs and images got",
+        tag="capture",
+        scope="read",
+    ),
+    Route("GET", "/clip", get_clip_page, public=True, api=False, tag="pages", media="text/html"),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
     Route(
@@ -39246,6 +45192,7 @@ def make_server(app: Callable, config: Config):
         for listener in sockets.values():
             if isinstance(listener, waitress.server.BaseWSGIServer):
                 listener.__class__ = _hardened(type(listener))
+                server.notesvc_listener = listener  # spliced connections join it (passthrough)
                 # the limit of every body but an attachment's (Parser, in _hardened)
                 adj = listener.adj
                 listener.adj.notesvc_limits = {
@@ -39373,7 +45320,8 @@ def cmd_serve(config: Config) -> int:
         signal.signal(signal.SIGTERM, stop)  # systemd's stop: shut down cleanly, exit 0
         signal.signal(signal.SIGINT, stop)  # Ctrl-C, likewise
         if config.relay_url and config.pairing == "relay":
-            app.service.relay_client = RelayClient(app).start()
+            listener = getattr(server, "notesvc_listener", None)
+            app.service.relay_client = RelayClient(app, listener).start()
         effective = config.state_dir / EFFECTIVE_FILE
         try:
             record = effective_record(config, server.effective_port)
@@ -39407,17 +45355,24 @@ def cmd_relay(config: Config) -> int:
         try:
             port = await relay.start()
         except OSError as e:
-            raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
+            what = "a port it needs (HTTP, TLS or DNS)" if relay.front else f"{config.port}"
+            raise ConfigError(f"cannot listen on {config.host}, {what}: {e.strerror}") from e
         settle_after_start()  # what compiling this module left free
         host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        print(
-            f"notesvc {__version__} relay\n  listening on http://{host}:{port}"
-            f" (bind {config.host}:{port})\n"
-            f"  servers register with SERVICE_RELAY_URL=http://<this host>:{port}\n"
+        lines = [
+            f"notesvc {__version__} relay",
+            f"  listening on http://{host}:{port} (bind {config.host}:{port})",
+            f"  servers register with SERVICE_RELAY_URL=http://<this host>:{port}",
             f"  phones open http://<this host>:{port}/?relayCode=<the server's relay code>",
-            file=sys.stderr,
-            flush=True,
-        )
+        ]
+        domain = config.relay_domain
+        if relay.front is not None:  # passthrough: the TLS port and the DNS
+            lines.append(f"  passthrough: TLS on {host}:{relay.front.port} for <serverId>.{domain}")
+            if relay.dns is not None:
+                lines.append(f"  dns on {host}:{relay.dns.port} (udp, tcp) for {domain}")
+            else:
+                lines.append(f"  dns: challenge records to {config.relay_dns_update} (RFC 2136)")
+        print("\n".join(lines), file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -39425,7 +45380,7 @@ def cmd_relay(config: Config) -> int:
         await stop.wait()
         log.info("relay stopping")
         relay.hub.close()  # long-polls and waiting clients answer now
-        relay.server.close()
+        relay.close()
         await asyncio.sleep(0.2)  # let those answers go out
 
     asyncio.run(run())

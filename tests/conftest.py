@@ -1118,4 +1118,4 @@ def assert_nothing_imported(client, root: Path) -> None:
     assert feed(client)["changes"] == []
 
 
-pytest_plugins = ["search_reference", "standins", "browsers"]
+pytest_plugins = ["search_reference", "standins", "browsers", "passthrough_kit"]

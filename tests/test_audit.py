@@ -129,6 +129,18 @@ def _a_folder_everyone_writes(app, root: Path) -> None:
     owner.put_json(f"{API}/folders/notes%2FFamily/members", body)
 
 
+def _an_expiring_passthrough_certificate(app, root: Path) -> None:
+    import datetime as dt
+
+    from passthrough_kit import TestCA
+
+    ca = TestCA(root.parent / "ca")
+    now = dt.datetime.now(dt.timezone.utc)
+    key, cert = ca.leaf(["x.relay.test"], not_after=now + dt.timedelta(days=3))
+    (root / ".notesvc" / "tls").mkdir(mode=0o700)
+    (root / ".notesvc" / "tls" / "server.pem").write_bytes(key + cert)
+
+
 @dataclasses.dataclass(frozen=True)
 class Firing:
     """A configuration in which an audit check fires, and the id its finding must match."""
@@ -161,6 +173,9 @@ FIRING_CONFIGURATIONS = {
     ),
     "relay_in_transit": Firing(
         "relay-sees-transit", {"SERVICE_RELAY_URL": "https://relay.example.org"}
+    ),
+    "passthrough_certificate": Firing(
+        "passthrough-certificate", change=_an_expiring_passthrough_certificate
     ),
     "key_age": Firing("key-old", change=_an_old_key),
     "plain_http_bind": Firing("plain-http-all-interfaces", {"SERVICE_HOST": "0.0.0.0"}),
@@ -560,3 +575,72 @@ class TestSecurity:
         assert "score" in bad.stdout
         good = run_cli("audit", "--root", str(tmp_path / "b"), env={"SERVICE_HOST": "127.0.0.1"})
         assert good.returncode == 0, good.stdout
+
+
+class PassthroughLink:
+    """A relay link as the audit reads it (RelayClient.status()): passthrough's state."""
+
+    def __init__(self, passthrough: dict):
+        self.passthrough = passthrough
+
+    def status(self) -> dict:
+        return {"state": "connected", "mode": "relayed", "passthrough": self.passthrough}
+
+
+CERT = {
+    "notBefore": "2026-12-01T00:00:00.000Z",
+    "notAfter": "2027-03-01T00:00:00.000Z",
+    "renewAt": "2027-01-30T00:00:00.000Z",
+    "issuer": "R11",
+}
+
+
+class TestPassthroughFindings:
+    """What the audit says of a passthrough relay: the mode, the expiry, the failures."""
+
+    def report(self, make_app, passthrough: dict) -> dict:
+        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_RELAY_URL="https://relay.example.org")
+        app.app.service.relay_client = PassthroughLink(passthrough)
+        return {f["id"]: f for f in notesvc.run_audit(app.app.service)["findings"]}
+
+    def test_in_passthrough_the_relay_cannot_read_and_the_expiry_is_said(self, make_app):
+        found = self.report(
+            make_app,
+            {
+                "state": "active",
+                "origin": "https://abc.relay.example.org",
+                "certificate": {"state": "valid", "certificate": CERT},
+                "terminatedLast7Days": 3,
+            },
+        )
+        assert "relay-sees-transit" not in found
+        finding = found["relay-passthrough"]
+        assert finding["severity"] == "info"
+        assert "cannot read the key or the notes" in finding["detail"]
+        assert "valid until 2027-03-01T00:00:00.000Z" in finding["detail"]
+        assert "3 request(s) in the last 7 days" in finding["detail"]
+        assert "passthrough-certificate" not in found
+
+    def test_a_failing_renewal_is_medium_while_the_old_one_serves(self, make_app):
+        keeper = {
+            "state": "error",
+            "certificate": CERT,
+            "lastError": "the ACME CA at https://ca/dir cannot be reached: refused",
+            "nextAttemptAt": "2027-02-01T00:00:00.000Z",
+            "acmeDirectory": "https://ca/dir",
+        }
+        found = self.report(make_app, {"state": "active", "certificate": keeper})
+        finding = found["passthrough-certificate"]
+        assert finding["severity"] == "medium"
+        assert "keeps serving until 2027-03-01T00:00:00.000Z" in finding["detail"]
+        assert "cannot be reached" in finding["detail"]
+        found = self.report(
+            make_app, {"state": "error", "certificate": {**keeper, "certificate": None}}
+        )
+        assert found["passthrough-certificate"]["severity"] == "high"  # none in hand at all
+        assert "offers passthrough, which is error here" in found["relay-sees-transit"]["detail"]
+
+    def test_without_cryptography_the_relay_finding_says_why(self, make_app):
+        reason = "passthrough needs the cryptography package (sudo apt install ...)"
+        found = self.report(make_app, {"state": "unavailable", "reason": reason})
+        assert reason in found["relay-sees-transit"]["detail"]

@@ -727,11 +727,12 @@ class TestPolling:
             url = f"{API}/channels/{ch['id']}"
             client.patch_json(url, {"config": {"mode": "webhook"}})
             assert client.app.service.pollers.running() == []
-            calls = [c["path"].rsplit("/", 1)[-1] for c in upstream.bot_calls]
-            assert calls[-1] == "setWebhook"
-            # a getUpdates sent before the poller stopped is answered (or dropped) by now
+            # a getUpdates sent before the poller stopped is answered (or dropped) by now;
+            # its bytes may reach the stand-in after setWebhook (the poller is gone by then)
             wait_for(lambda: upstream.connections == 0)
-            assert [c["path"].rsplit("/", 1)[-1] for c in upstream.bot_calls] == calls
+            calls = [c["path"].rsplit("/", 1)[-1] for c in upstream.bot_calls]
+            after = calls[len(calls) - calls[::-1].index("setWebhook") :]
+            assert set(after) <= {"getUpdates"}  # nothing deleted the webhook after it was set
             assert upstream.webhook["secret_token"] == ch["secret"]
             assert data(client.get(url))["status"]["ok"] is True
             client.delete(url)

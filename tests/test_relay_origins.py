@@ -201,6 +201,7 @@ class TestRelayOrigins:
             "domain": DOMAIN,
             "perServerOrigins": True,
             "publicUrl": relay.url,
+            "passthrough": False,  # SERVICE_RELAY_TLS is off
         }
         # The API on the origin, as the server's own paths.
         status, _, raw = host_request(relay.port, host, "POST", f"{API}/auth/verify", headers=key)

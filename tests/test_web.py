@@ -42,9 +42,10 @@ class TestWebClientPage:
     def test_page_is_small_self_contained_and_locked_down(self, anon):
         resp = anon.get("/")
         assert resp.content_type == "text/html"
-        # the budget: one response < 64 KB gzipped, so a signed-in cold load (the page, the
-        # features, the list and the tree) stays under 80 KB on the wire (docs/design.md)
-        assert len(gzip.compress(resp.body)) < 64_000
+        # the budget: one response <= 60 KB gzipped (contract, 15), so a signed-in cold load
+        # (the page, the features, the list and the tree) stays under 80 KB on the wire
+        # (docs/design.md)
+        assert len(gzip.compress(resp.body)) <= 60_000
         csp = resp.headers["Content-Security-Policy"]
         assert "default-src 'none'" in csp
         assert "unsafe-inline" not in csp
@@ -65,7 +66,8 @@ class TestWebClientPage:
         script = re.search(r"<script>(.*)</script>", resp.text, re.S).group(1)
         style = re.search(r"<style>(.*)</style>", resp.text, re.S).group(1)
         digest = lambda t: base64.b64encode(hashlib.sha256(t.encode()).digest()).decode()  # noqa: E731
-        assert directives["script-src"] == f"'sha256-{digest(script)}'"
+        # 'strict-dynamic': the page's script may add record.js (its integrity checked)
+        assert directives["script-src"] == f"'sha256-{digest(script)}' 'strict-dynamic'"
         assert directives["style-src"] == f"'sha256-{digest(style)}'"
         assert directives["connect-src"] == "'self'"
         assert directives["manifest-src"] == "'self'"
@@ -91,11 +93,37 @@ class TestWebClientPage:
         parts = [notesvc.WEB_JS_START, notesvc.LISTS_JS, notesvc.WEB_JS_REST]
         assert all(re.search(r"^\s*//", p, re.M) for p in parts)
         assert not re.search(r"^\s*//", notesvc.WEB_JS, re.M)
-        assert notesvc.lean_script("a\n  // why\nb // kept") == "a\n\nb // kept"
+        assert notesvc.lean_script("a\n  // why\nb; // gone\nc/* x */d;") == "a\n\nb;\nc d;"
         lines = notesvc.WEB_JS.split("\n")
         start = lines.index(notesvc.LISTS_JS.split("\n")[5])  # const lists = (() => {
         assert lines[start - 5 : start] == ["", "", "", "", ""]
-        assert lines[start + 2] == notesvc.LISTS_JS.split("\n")[7]
+        assert lines[start + 2] == notesvc.LISTS_JS.split("\n")[7].strip()
+
+    def test_script_and_style_are_served_without_indentation_but_text_keeps_it(self):
+        # a line that begins inside a template literal or a continued string is text: kept
+        js = "a = `x\n  y` + /`/.source;\n  b = '`//';\nc = `${`d\n  `}`; /* e\n */ "
+        js += "f = 'g\\\n  h';\n"
+        kept, comments = notesvc.scan_script(js)
+        assert kept == {1, 4, 6}
+        assert [js[a:b] for a, b in comments] == ["/* e\n */"]
+        assert notesvc.lean_script(js).split("\n") == [
+            "a = `x",
+            "  y` + /`/.source;",
+            "b = '`//';",
+            "c = `${`d",
+            "  `}`; ",  # (a line that begins inside a template is kept as it is)
+            "f = 'g\\",
+            "  h';",
+            "",
+        ]
+        assert notesvc.scan_script("x = a / b / c; // d\ny = /[/`]/g; // z\n")[0] == set()
+        with pytest.raises(ValueError, match="does not end"):
+            notesvc.scan_script("x = `open\n")
+        served = notesvc.WEB_JS.split("\n")
+        assert not [line for line in served if line[:1].isspace()]  # (none in web/ today)
+        css = notesvc.lean_css("a {\n  b: c; /* why\n  and */\n}\n")
+        assert css == "a {\nb: c;\n\n}\n"
+        assert "/*" not in notesvc.WEB_CSS
 
     def test_manifest_is_public_cacheable_and_points_at_served_icons(self, anon):
         resp = anon.get("/manifest.webmanifest")

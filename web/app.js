@@ -390,6 +390,8 @@ const app = (() => {
     $("status").className = "";
     $("about").disabled = false;
     $("about-label").textContent = "About this note: " + state.title;
+    people.noteLine(rec.path); // "Shared by Ann"
+    grants.noteActions(); // none that write in a folder shared to read only
     core.setItem("session", "notesvc.open", rec.path);
   }
 
@@ -1770,10 +1772,7 @@ const app = (() => {
     }
     $("menu-trash").hidden = !core.features.history;
     $("history").hidden = !core.features.history;
-    $("attach").hidden = !core.features.attachments || !grants.writable();
-    $("photo").hidden =
-      // a camera
-      !core.features.attachments || !grants.writable() || !matchMedia("(pointer: coarse)").matches;
+    grants.noteActions();
   }
 
   // -- search ----------------------------------------------------------------------------------

@@ -70,11 +70,43 @@ async function load() {
     $("device").textContent = device.name || "this device";
     $("signed-in").classList.remove("hidden");
     $("key-row").classList.add("hidden");
+    await asPerson(kept, device);
     $("allow").focus();
     return;
   }
   if (kept && !kept.startsWith("nsd_")) $("key").value = kept;
   $("key").focus();
+}
+
+// A person's admin device: "Signed in as <person> · <device>", and the folders offered are
+// those of their reach (their home, the folders shared with them), not a path to type.
+async function asPerson(key, device) {
+  let who = null;
+  try {
+    const r = await fetch(api + "/auth/verify", {
+      method: "POST",
+      mode: "same-origin",
+      headers: {"X-Service-Key": key},
+    });
+    who = r.ok ? (await r.json()).data : null;
+  } catch (e) {
+    /* the owner's page as it was: the server says no to a key it does not take */
+  }
+  if (!who || !who.person) return;
+  const name = (who.grant && who.grant.name) || device.name || "this device";
+  $("device").textContent = who.person.name + " · " + name;
+  const pick = $("folder-pick");
+  for (const r of who.reach || []) {
+    const whose = r.sharedBy ? "shared by " + r.sharedBy.name : "your own";
+    const option = document.createElement("option");
+    option.value = r.path;
+    option.textContent = r.path + " (" + whose + (r.scope === "read" ? ", read only)" : ")");
+    pick.append(option);
+  }
+  pick.classList.remove("hidden");
+  $("folder").classList.add("hidden");
+  $("folder-label").htmlFor = "folder-pick";
+  $("folder-label").textContent = "Which of your folders";
 }
 
 async function allow() {
@@ -87,7 +119,8 @@ async function allow() {
     scope: $("scope-write").checked ? "notes:read notes:write" : "notes:read",
   };
   if (ask.get("state")) body.state = ask.get("state");
-  let folder = $("folder").value.trim().replace(/\/+$/, "");
+  const picked = !$("folder-pick").classList.contains("hidden");
+  let folder = (picked ? $("folder-pick") : $("folder")).value.trim().replace(/\/+$/, "");
   if (folder) body.folder = folder.startsWith("notes/") ? folder : "notes/" + folder;
   $("allow").disabled = true;
   try {

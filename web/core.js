@@ -309,11 +309,15 @@ const core = (() => {
       try {
         v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
         setItem("local", "notesvc.grant", JSON.stringify(v.data.grant || null));
+        // who is signed in, and what a person reaches: the menu and the tree, offline too
+        const {person, reach} = v.data;
+        setItem("local", "notesvc.who", JSON.stringify({person, reach}));
       } catch (e) {
         if (offline.unreachable(e) && offline.offlineOn() && state.keyBase === state.base) {
           // out of reach, and this device keeps the notes: open them from the copy
           const grant = JSON.parse(getItem("local", "notesvc.grant") || "null");
-          v = {data: {grant, setupComplete: true}};
+          const who = JSON.parse(getItem("local", "notesvc.who") || "{}");
+          v = {data: {...who, grant, setupComplete: true}};
         } else if (e.status === 404) {
           state.base = "";
           removeItem("local", "notesvc.base");
@@ -332,7 +336,7 @@ const core = (() => {
           throw e;
         }
       }
-      grants.applyGrant(v.data.grant); // a scoped key: only what it may do
+      grants.applyGrant(v.data.grant, v.data); // a scoped key, a person: only what it may do
       if (!v.data.setupComplete && !v.data.grant && v.data.linkHere !== false) {
         // Not asked away from the server and its home network (linkHere false; the link
         // would be 403): the key still works, and setup waits for the server's own `pair`
@@ -440,11 +444,12 @@ const core = (() => {
     const items = (data.children || []).map(treeItem);
     ul.replaceChildren(...items.map((i) => i.li));
     if (!items.length) {
+      const top = folder === "notes" || (state.person && folder === state.person.home);
       ul.appendChild(
         markdown.el(
           "li",
           {class: "empty"},
-          folder === "notes" ? "No notes yet: start one with New note." : "Empty folder",
+          top ? "No notes yet: start one with New note." : "Empty folder",
         ),
       );
     }
@@ -471,11 +476,13 @@ const core = (() => {
       li.appendChild(b);
       return {li};
     }
+    // under its name: who shared it, whose home it is (people.js)
+    const by = people.label(node.path);
     const b = markdown.el(
       "button",
       {type: "button", class: "dir", "aria-expanded": "false", "data-path": node.path},
       markdown.el("span", {class: "caret", "aria-hidden": "true"}),
-      markdown.el("span", {}, node.name),
+      markdown.el("span", {}, node.name, by && markdown.el("small", {class: "by"}, by)),
       node.count === undefined ? null : markdown.el("span", {class: "count"}, String(node.count)),
     );
     if (node.count !== undefined)
@@ -483,6 +490,15 @@ const core = (() => {
     const sub = markdown.el("ul");
     sub.hidden = true;
     li.append(b, sub);
+    if (people.mayShare(node.path)) {
+      // (after the folder's list, placed on its row: `.dir + ul` stays the folder's own)
+      li.classList.add("shareable");
+      const share = () => people.shareFolder(node.path);
+      const on = people.sharedOwn(node.path) ? " on" : ""; // (shown: it is shared)
+      const attrs = {type: "button", class: "share" + on, title: "Share…", onclick: act(share)};
+      const icon = $("t-share").content.firstElementChild.cloneNode(true);
+      li.append(markdown.el("button", {...attrs, "aria-label": "Share " + node.name + "…"}, icon));
+    }
     const expand = async () => {
       b.setAttribute("aria-expanded", "true");
       sub.hidden = false;
@@ -516,7 +532,9 @@ const core = (() => {
   async function loadTree() {
     loadRecent().catch(() => {});
     const ul = markdown.el("ul");
-    await fillFolder("notes", ul);
+    await people.refresh(); // the owner's people, what is shared: the labels and Share…
+    // a person's top level: their home, then what is shared with them
+    if (!(await people.fillTop(ul))) await fillFolder("notes", ul);
     const focused =
       $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
     $("tree").replaceChildren(ul);
@@ -557,7 +575,7 @@ const core = (() => {
           },
           markdown.el("strong", {}, n.title || paths.nameOf(n.path)),
           markdown.el("span", {class: "preview"}, n.preview || ""),
-          markdown.el("small", {class: "muted"}, ago(n.modified)),
+          markdown.el("small", {class: "muted"}, people.mark(n.path), ago(n.modified)),
         ),
       ),
     );
@@ -623,5 +641,6 @@ const core = (() => {
     state,
     showPane,
     toast,
+    treeItem,
   };
 })();

@@ -278,7 +278,9 @@ const devices = (() => {
     return "Only this computer opens " + made.origin + ": start the server with --host 0.0.0.0.";
   }
 
-  async function showPairing(made) {
+  // The code to scan, until it is used (or closed); then `after` (the keys screen). `title`
+  // and `intro`: a person's first device (people.js) says whose it is.
+  async function showPairing(made, after, title, intro) {
     const until = new Date(made.expiresAt);
     const reach = el(
       "p",
@@ -293,8 +295,8 @@ const devices = (() => {
         ".",
     );
     const shown = app.dialog(
-      "Scan to join",
-      [...pairingView(made, "join this server"), reach, status],
+      title || "Scan to join",
+      [intro, ...pairingView(made, "join this server"), reach, status].filter(Boolean),
       [["cancel", "Done"]],
     );
     let watching = true;
@@ -311,7 +313,7 @@ const devices = (() => {
       }
     }
     await shown;
-    return grants.showKeys();
+    return (after || grants.showKeys)();
   }
 
   // -- tasks on a phone: everything a tasks app asks for, in one place ------------------------
@@ -624,6 +626,7 @@ const devices = (() => {
     dialogProblem,
     offerSetup,
     pairingInUrl,
+    showPairing,
     showTasks,
     showTelegram,
     wireDevices,

@@ -7,26 +7,39 @@
 const grants = (() => {
   const {$, state} = core;
   const {el} = markdown;
-  function writable() {
-    return !state.grant || state.grant.scope !== "read";
+  // Whether this grant writes at a path (the open note's by default): not a read key, nor
+  // a folder shared with this person to read only.
+  function writable(path) {
+    if (state.grant && state.grant.scope === "read") return false;
+    const at = path === undefined ? state.path : path;
+    return !at || people.scopeAt(at) !== "read";
   }
 
-  function ownerLike() {
+  // Every scope and no folder: the owner's key and devices, and a person's admin device
+  // (whose admin is their own devices, keys and apps: people.js tells the two apart).
+  function admin() {
     return !state.grant || (state.grant.scope === "admin" && !state.grant.folder);
   }
 
-  function applyGrant(grant) {
+  const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
+  function scopeText(g) {
+    return (SCOPE_TEXT[g.scope] || g.scope) + (g.folder ? " · only " + g.folder : "");
+  }
+
+  // What this grant may do shapes the page; `who` is /auth/verify's answer (person, reach).
+  function applyGrant(grant, who) {
     state.grant = grant || null;
-    const owner = ownerLike();
+    people.applyWho(who || {grant});
+    const all = admin();
     const write = writable();
     for (const id of ["edit", "new", "empty-new", "menu-new", "move", "delete"]) {
       $(id).hidden = !write;
     }
-    const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
+    const daily = all || !state.grant.folder || state.grant.folder === "notes/daily";
     $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
-    $("menu-keys").hidden = !owner;
-    $("menu-telegram").hidden = !owner;
-    $("menu-tasks").hidden = !owner;
+    $("menu-keys").hidden = !all;
+    $("menu-telegram").hidden = !all || !!state.person; // the bot is the server's
+    $("menu-tasks").hidden = !all;
     $("menu-import").hidden = !write;
     $("share").hidden = !write;
     if (!write) {
@@ -35,6 +48,14 @@ const grants = (() => {
     }
     $("app").dataset.scope = state.grant ? state.grant.scope : "admin";
     if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
+  }
+
+  // The open note's own actions: none that write in a folder shared to read only.
+  function noteActions() {
+    const w = writable();
+    for (const id of ["edit", "move", "delete"]) $(id).hidden = !w;
+    $("attach").hidden = !w || !core.features.attachments;
+    $("photo").hidden = $("attach").hidden || !matchMedia("(pointer: coarse)").matches; // a camera
   }
 
   // Copy: the Clipboard API where the page is a secure context, else (plain HTTP on a home
@@ -78,8 +99,6 @@ const grants = (() => {
       el("button", {type: "button", onclick: () => copyText(value, label, input)}, "Copy"),
     );
   }
-
-  const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
 
   // Who made a grant or a share link (its createdBy): the owner, the command line on the
   // server, or a grant (an admin device) by id, named when it is still listed. Null (made
@@ -286,11 +305,14 @@ const grants = (() => {
           },
           "Add a device",
         ),
-        el(
-          "button",
-          {type: "button", id: "add-folder", onclick: core.act(() => devices.addDevice(true))},
-          "Give someone a folder",
-        ),
+        // (a person's devices are theirs: others join as people)
+        state.person
+          ? null
+          : el(
+              "button",
+              {type: "button", id: "add-folder", onclick: core.act(() => devices.addDevice(true))},
+              "Give someone a folder",
+            ),
       ),
       el("h3", {}, "Keys"),
       keyList,
@@ -399,5 +421,15 @@ const grants = (() => {
       core.act(() => shareNote()),
     );
   }
-  return {RELAY_HINT, writable, applyGrant, shownOnce, showKeys, wireGrants};
+  return {
+    RELAY_HINT,
+    admin,
+    applyGrant,
+    noteActions,
+    scopeText,
+    shownOnce,
+    showKeys,
+    wireGrants,
+    writable,
+  };
 })();

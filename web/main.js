@@ -7,7 +7,9 @@
   app.wire();
   grants.wireGrants();
   devices.wireDevices();
+  people.wirePeople();
   offline.wireOffline();
+  capturing.wireCapture();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {
     // the share sheet reached the server itself: no worker here to keep what was shared

@@ -316,6 +316,12 @@ const offline = (() => {
       await mirrorPut(data);
       return data;
     }
+    if (item.kind === "voice") {
+      // a recording made with no connection (record.js): its note is made now
+      const {data} = await core.api("POST", "/capture/voice", item.file, once);
+      core.toast("A voice note kept on this device was saved: " + paths.nameOf(data.path));
+      return {};
+    }
     if (item.kind === "capture") {
       const files = [];
       let text = item.text;

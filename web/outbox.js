@@ -5,7 +5,8 @@
 // the version it started from), "create" {local, folder, content} (a new note, named by
 // the server; `local` stands for its path until then), "capture" {text, files, at} (today's
 // note: the capture box, the share sheet), "upload" {path, note, file} (a photo or file put
-// into a note offline: sent before the edit that links it, named `path` unless taken).
+// into a note offline: sent before the edit that links it, named `path` unless taken),
+// "voice" {file, at} (a recording: its note is made when it is sent, record.js).
 
 // Queue a save; an unsent save of the same note takes the new text (it keeps the version
 // the edits started from), and so does the unsent create of a note not sent yet.
@@ -40,6 +41,12 @@ const outbox = (() => {
     return [...items, item];
   }
 
+  // A voice note recorded with no connection: its audio (a Blob) and when it was made; `key`
+  // is the Idempotency-Key the page may have sent it with already (the answer lost).
+  function queueVoice(items, file, key, at, newId) {
+    return [...items, {id: newId(), kind: "voice", key: key || newId(), file, at}];
+  }
+
   // A file for the note `note` (its path, or a new note's local name), to be kept as `path`.
   function queueUpload(items, path, note, file, newId) {
     return [...items, {id: newId(), kind: "upload", key: newId(), path, note, file}];
@@ -64,7 +71,10 @@ const outbox = (() => {
 
   // What waits in uploads, in bytes.
   function uploadBytes(items) {
-    return items.reduce((n, i) => n + (i.kind === "upload" ? i.file.size || 0 : 0), 0);
+    return items.reduce(
+      (n, i) => n + (i.kind === "upload" || i.kind === "voice" ? i.file.size || 0 : 0),
+      0,
+    );
   }
 
   // The item sent: gone from the queue. A create's answer gives the note its path: later
@@ -112,6 +122,7 @@ const outbox = (() => {
     queueCreate,
     queueSave,
     queueUpload,
+    queueVoice,
     relink,
     settle,
     uploadBytes,

@@ -89,7 +89,8 @@
 
   async function showImport() {
     const input = el("input", {type: "file", id: "import-file", accept: IMPORT_TYPES});
-    const into = el("input", {type: "text", id: "import-into", placeholder: "notes/imported/…"});
+    const home = state.person ? state.person.home : "notes"; // a person's go to their home
+    const into = el("input", {type: "text", id: "import-into", placeholder: home + "/imported/…"});
     const body = [
       el(
         "p",

@@ -31,6 +31,7 @@ from notesvc.helpers import (
     utcnow,
 )
 from notesvc.notes.paths import ATTACHMENTS, NOTES
+from notesvc.passthrough.acme import TlsFolder
 from notesvc.service import Service, plugins_dir
 from notesvc.settings import Config
 
@@ -602,12 +603,39 @@ def check_plain_http_upstreams(svc: Service) -> list:
     return out
 
 
+def passthrough_status(svc: Service) -> dict | None:
+    """Return what the relay link says of passthrough (None: no link, or it is off)."""
+    client = svc.relay_client
+    return client.status().get("passthrough") if client is not None else None
+
+
 @audit_check
 def check_relay_in_transit(svc: Service) -> list:
     cfg = svc.config
     host = urllib.parse.urlsplit(cfg.relay_url).hostname or ""
     if cfg.pairing != "relay" or not cfg.relay_url or is_loopback(host) or host == "localhost":
         return []
+    passthrough = passthrough_status(svc) or {}
+    readable = passthrough.get("terminatedLast7Days", 0)
+    if passthrough.get("state") == "active":
+        cert = (passthrough.get("certificate") or {}).get("certificate") or {}
+        origin = passthrough.get("origin")
+        return [
+            finding(
+                "relay-passthrough",
+                "info",
+                "TLS ends on this server: the relay forwards encrypted bytes (passthrough)",
+                f"Clients reach this server at {origin} through the relay at {host}, which "
+                "cannot read the key or the notes there; it learns addresses, server ids, "
+                f"timing and sizes. The certificate is valid until {cert.get('notAfter')} and "
+                f"is renewed from {cert.get('renewAt')}. {readable} request(s) in the last 7 "
+                "days came by the relay's other paths (path-based links, connectors set up "
+                "before, its per-server origin), where TLS ends at the relay.",
+                f"Open the server at {origin}, and connect devices and connectors again "
+                "there: then nothing crosses the relay in the clear.",
+            )
+        ]
+    offered = passthrough.get("state") not in (None, "not offered")
     return [
         finding(
             "relay-sees-transit",
@@ -615,8 +643,60 @@ def check_relay_in_transit(svc: Service) -> list:
             "Requests pass through a relay on another machine",
             f"The relay at {host} stores nothing at rest, but TLS ends there: whoever runs it "
             "could read the key and the notes in transit, and it learns addresses, server "
-            "ids, timing and sizes. Losing it costs availability only.",
-            "Run your own relay (python3 notesvc.py relay) or use one run by someone you trust.",
+            "ids, timing and sizes. Losing it costs availability only."
+            + (
+                f" It offers passthrough, which is {passthrough.get('state')} here"
+                f"{': ' + passthrough['reason'] if passthrough.get('reason') else ''}."
+                if offered
+                else ""
+            ),
+            "Run your own relay (python3 notesvc.py relay) or use one run by someone you "
+            "trust, or one that offers passthrough (SERVICE_RELAY_TLS=passthrough), where "
+            "TLS ends on this server.",
+        )
+    ]
+
+
+@audit_check
+def check_passthrough_certificate(svc: Service) -> list:
+    """A passthrough certificate that cannot be renewed, or is near its end."""
+    passthrough = passthrough_status(svc)
+    if passthrough is not None:
+        keeper = passthrough.get("certificate") or {}
+        cert = keeper.get("certificate") or {}
+        if keeper.get("state") != "error":
+            return []
+        severity = "medium" if cert else "high"
+        return [
+            finding(
+                "passthrough-certificate",
+                severity,
+                "The certificate for passthrough cannot be obtained or renewed",
+                f"The ACME CA ({keeper.get('acmeDirectory')}) said: {keeper.get('lastError')}. "
+                f"Next try at {keeper.get('nextAttemptAt')}. "
+                + (
+                    f"The certificate in hand keeps serving until {cert.get('notAfter')}."
+                    if cert
+                    else "Until one is in hand, clients reach this server only by the "
+                    "relay's terminating paths."
+                ),
+                "Check that the relay answers DNS for its domain (the domain delegated to "
+                "it) and that SERVICE_ACME_DIRECTORY is reachable from here.",
+            )
+        ]
+    facts = TlsFolder(svc.config.state_dir).facts()  # `audit` beside a server: the file
+    if not facts or facts["notAfter"] - time.time() > 14 * 86400:
+        return []
+    ended = facts["notAfter"] <= time.time()
+    return [
+        finding(
+            "passthrough-certificate",
+            "medium" if ended else "low",
+            "The certificate for passthrough " + ("has expired" if ended else "expires soon"),
+            f"{svc.config.state_dir / 'tls'} holds one for {', '.join(facts['names'])} until "
+            f"{iso(facts['notAfter'])}; a running server renews it from two thirds of its "
+            "lifetime on, and says why it could not in /system/info.",
+            "Look at the server's /system/info (connection.passthrough) and its log.",
         )
     ]
 

@@ -50,9 +50,9 @@ from notesvc.relay import (
     LINGER_IDLE_SECONDS,
     LINGER_MAX_BYTES,
     LINGER_SECONDS,
-    RelayClient,
     RelayServer,
 )
+from notesvc.relay_client import RelayClient
 from notesvc.service import Service
 from notesvc.settings import SETTINGS, Config, ConfigError, load_config, setting_commands
 from notesvc.transfer.export import export_zip
@@ -552,6 +552,7 @@ def make_server(app: Callable, config: Config):
         for listener in sockets.values():
             if isinstance(listener, waitress.server.BaseWSGIServer):
                 listener.__class__ = _hardened(type(listener))
+                server.notesvc_listener = listener  # spliced connections join it (passthrough)
                 # the limit of every body but an attachment's (Parser, in _hardened)
                 adj = listener.adj
                 listener.adj.notesvc_limits = {
@@ -679,7 +680,8 @@ def cmd_serve(config: Config) -> int:
         signal.signal(signal.SIGTERM, stop)  # systemd's stop: shut down cleanly, exit 0
         signal.signal(signal.SIGINT, stop)  # Ctrl-C, likewise
         if config.relay_url and config.pairing == "relay":
-            app.service.relay_client = RelayClient(app).start()
+            listener = getattr(server, "notesvc_listener", None)
+            app.service.relay_client = RelayClient(app, listener).start()
         effective = config.state_dir / EFFECTIVE_FILE
         try:
             record = effective_record(config, server.effective_port)
@@ -713,17 +715,24 @@ def cmd_relay(config: Config) -> int:
         try:
             port = await relay.start()
         except OSError as e:
-            raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
+            what = "a port it needs (HTTP, TLS or DNS)" if relay.front else f"{config.port}"
+            raise ConfigError(f"cannot listen on {config.host}, {what}: {e.strerror}") from e
         settle_after_start()  # what compiling this module left free
         host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
-        print(
-            f"notesvc {__version__} relay\n  listening on http://{host}:{port}"
-            f" (bind {config.host}:{port})\n"
-            f"  servers register with SERVICE_RELAY_URL=http://<this host>:{port}\n"
+        lines = [
+            f"notesvc {__version__} relay",
+            f"  listening on http://{host}:{port} (bind {config.host}:{port})",
+            f"  servers register with SERVICE_RELAY_URL=http://<this host>:{port}",
             f"  phones open http://<this host>:{port}/?relayCode=<the server's relay code>",
-            file=sys.stderr,
-            flush=True,
-        )
+        ]
+        domain = config.relay_domain
+        if relay.front is not None:  # passthrough: the TLS port and the DNS
+            lines.append(f"  passthrough: TLS on {host}:{relay.front.port} for <serverId>.{domain}")
+            if relay.dns is not None:
+                lines.append(f"  dns on {host}:{relay.dns.port} (udp, tcp) for {domain}")
+            else:
+                lines.append(f"  dns: challenge records to {config.relay_dns_update} (RFC 2136)")
+        print("\n".join(lines), file=sys.stderr, flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -731,7 +740,7 @@ def cmd_relay(config: Config) -> int:
         await stop.wait()
         log.info("relay stopping")
         relay.hub.close()  # long-polls and waiting clients answer now
-        relay.server.close()
+        relay.close()
         await asyncio.sleep(0.2)  # let those answers go out
 
     asyncio.run(run())

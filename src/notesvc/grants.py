@@ -239,6 +239,17 @@ def reach_of(data: dict, grant: dict | None) -> Reach:
     return base.narrowed(grant.get("folder") or "", grant["scope"])
 
 
+def file_joins_note(data: dict, note: str, file: str) -> bool:
+    """Return whether a file's text may join a note's search entry: when every principal
+    that reaches the note (the owner, each person, each grant of the state `data`) reaches
+    the file too. Otherwise the link stays, but the file is not read for that note."""
+    reaches = [person_reach(data, p["id"]) for p in data.get("people", [])]
+    for grant in data.get("grants", []):
+        if isinstance(grant, dict) and grant.get("scope") in SCOPE_RANK:
+            reaches.append(reach_of(data, grant))
+    return all(r.sees(file) for r in reaches if r.sees(note))
+
+
 def principal_of(data: dict, grant: dict) -> Principal:
     """Return who a grant (a key, a device, an OAuth grant) acts as in the state `data`."""
     return Principal(

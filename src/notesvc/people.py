@@ -224,7 +224,8 @@ class PeopleStore:
         it (`inherited: true`), each with the person's name and who shared."""
         data = self.state.read()
         out = []
-        for at, entries in sorted(data.get("members", {}).items()):
+        shares = data.get("members", {}).items()
+        for at, entries in sorted(shares, key=lambda s: (s[0] != folder, s[0])):  # own first
             if not inside(folder, at):
                 continue
             for m in entries:
@@ -252,7 +253,7 @@ class PeopleStore:
 
         The owner shares any folder; a person a folder inside their home (403 elsewhere).
         Each member is a person other than the one sharing and other than the folder's own
-        person (whose home holds it): 400 for an unknown id, oneself, a repeat or a bad
+        person (whose home holds it): 404 for an unknown id; 400 for oneself, a repeat or a bad
         scope. Members of the folders above are kept (a deeper share adds, never takes)."""
         if not isinstance(raw, list) or len(raw) > MAX_PEOPLE:
             raise bad_request(f"'members' must be a list of at most {MAX_PEOPLE} people")
@@ -268,8 +269,10 @@ class PeopleStore:
             if not isinstance(item, dict):
                 raise bad_request("each member is an object {person, scope}")
             pid, scope = item.get("person"), item.get("scope", "read")
-            if not isinstance(pid, str) or self.get(pid, data) is None:
-                raise bad_request(f"no person {str(pid)[:40]!r} to share with")
+            if not isinstance(pid, str):
+                raise bad_request("a member's 'person' is a person's id")
+            if self.get(pid, data) is None:
+                raise not_found(f"no person {pid[:40]!r} to share with")
             if scope not in SHARE_SCOPES:
                 raise bad_request(f"a member's scope is one of {', '.join(SHARE_SCOPES)}")
             if pid == sharer or (owner_home is not None and pid == owner_home["id"]):

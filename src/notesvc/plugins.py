@@ -32,6 +32,7 @@ from notesvc.providers.capture import daily_folder, local_now
 from notesvc.providers.channels import CHANNEL_PROVIDERS, unbind_chats, unlink_person
 from notesvc.providers.embed import build_embedder
 from notesvc.providers.polling import ChannelPollers
+from notesvc.providers.reader import FileTextReader
 from notesvc.providers.reminders import ReminderScheduler
 from notesvc.service import Service, plugins_dir
 from notesvc.settings import Config
@@ -147,6 +148,8 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
     svc.embedder = build_embedder(svc)
+    svc.reader = FileTextReader(svc)  # the text inside PDFs and images, for search
+    svc.reader.linkers = lambda files: file_linkers(svc, files)
     return svc
 
 
@@ -465,12 +468,9 @@ def move_and_relink(
     return rec
 
 
-def attachment_linkers(svc: Service, path: str) -> set:
-    """Return the notes that link to an attachment (Markdown links, images, ![[embeds]]).
-
-    Each note's links that may name an attachment are kept as written (derived_per_note:
-    after a save, one note is read again, not all of them) and resolved at every look,
-    against the attachments there are now."""
+def attachment_refs(svc: Service) -> dict:
+    """Return {note: (wikilink targets, Markdown targets)} of the notes' links that may name
+    an attachment, as written (derived_per_note: after a save, one note is read again)."""
 
     def take(text: str) -> tuple | None:
         if "[[" not in text and "](" not in text:
@@ -480,9 +480,34 @@ def attachment_linkers(svc: Service, path: str) -> set:
         targets = tuple(t for t in targets if not t.rstrip(">").casefold().endswith(".md"))
         return (wikis, targets) if wikis or targets else None
 
-    refs = derived_per_note(svc, "attachment links", take, lambda _paths, refs: refs)
+    return derived_per_note(svc, "attachment links", take, lambda _paths, refs: refs)
+
+
+def attachment_linkers(svc: Service, path: str) -> set:
+    """Return the notes that link to an attachment (Markdown links, images, ![[embeds]]),
+    resolved at every look against the attachments there are now."""
+    refs = attachment_refs(svc)
     resolver = LinkResolver(svc.index.paths(), [*svc.attachments.paths(), path])
     return {source for source, written in refs.items() if path in resolver.resolve(written, source)}
+
+
+def file_linkers(svc: Service, files: set) -> dict:
+    """Return {file: the notes linking it} for some of the files the attachment reader
+    knows (their names resolved among those files: the reader's, every PDF and image);
+    the whole map is kept until the notes or the reader's files change."""
+    reader = svc.reader
+    key = (svc.index.generation, reader.files_generation)  # (not the pages read meanwhile)
+    kept = svc.plugin_cache.get("file linkers")
+    if kept is None or kept[0] != key:
+        refs = attachment_refs(svc)
+        resolver = LinkResolver((), list(reader.files))
+        found: dict = {}
+        for source, written in refs.items():
+            for target in resolver.resolve(written, source):
+                found.setdefault(target, set()).add(source)
+        kept = (key, found)
+        svc.plugin_cache["file linkers"] = kept
+    return {f: kept[1].get(f, set()) for f in files}
 
 
 # -- built-in plugins -----------------------------------------------------------------------

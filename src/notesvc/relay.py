@@ -7,19 +7,15 @@ import base64
 import contextlib
 import dataclasses
 import hmac
-import io
 import json
 import logging
 import re
 import secrets
-import socket
-import sys
-import threading
 import time
 import urllib.parse
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from notesvc.auth import relay_code_of, relay_server_id
 from notesvc.boot import API, __version__, bottle, log
@@ -32,21 +28,28 @@ from notesvc.errors import (
     jsonrpc_error_body,
     not_found,
     success_body,
-    to_json,
 )
 from notesvc.helpers import (
     FORWARDING_HEADERS,
     base_url_of,
     client_address,
     field,
-    iso,
+    ip_of,
+    lan_address,
     log_safe,
-    scrub,
-    utcnow,
-    valid_host,
 )
 from notesvc.notes.paths import ACTIVE_TYPES
-from notesvc.providers.base import UpstreamError
+from notesvc.passthrough.dns import (
+    CHALLENGE_MAX_BYTES,
+    CHALLENGE_MAX_VALUES,
+    ChallengeRecords,
+    DnsError,
+    DnsServer,
+    DnsUpdater,
+    DnsZone,
+    tsig_setting,
+)
+from notesvc.passthrough.front import SPLICE_UPGRADE, TlsFront
 from notesvc.settings import Config
 from notesvc.web import (
     RELAY_LANDING_HEADERS,
@@ -57,10 +60,6 @@ from notesvc.web import (
     web_asset_headers,
     web_client_headers,
 )
-
-if TYPE_CHECKING:  # annotations only: these modules come later
-    from notesvc.http.app import NotesApp
-
 
 # -- Relay ---------------------------------------------------------------------------------
 #
@@ -93,6 +92,7 @@ LINGER_MAX_BYTES = 64 * 1024 * 1024
 LINGER_SECONDS = 10.0
 LINGER_IDLE_SECONDS = 2.0
 RELAY_MAX_LINGERING = 128  # connections a relay lingers on at once (the rest close at once)
+UPGRADED = object()  # _serve_one: the connection became a splice's data connection
 RELAY_ID_RE = re.compile(r"^[a-z2-7]{20}\Z")
 RELAY_CODE_RE = re.compile(r"^[A-Za-z0-9-]{1,64}\Z")
 _TOKEN_CHARS_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
@@ -137,6 +137,7 @@ class RelayRequest:
     peer: str
     keep_alive: bool
     server_id: str = ""  # the server whose own origin (Host) the request came to
+    scheme: str = "http"  # https when TLS ended on the relay's own TLS port
 
     def header(self, name: str, default: str = "") -> str:
         name = name.lower()
@@ -323,6 +324,7 @@ class _RelayServer:
     waiting: dict = dataclasses.field(default_factory=dict)  # request id -> future of reply
     last_seen: float = 0.0
     code: str = ""  # its relay code, once it gave one (held while it is registered)
+    passthrough: bool = False  # registered with passthrough: true (its clients are spliced)
 
 
 class RelayHub:
@@ -343,6 +345,7 @@ class RelayHub:
         self.registrations: dict = {}  # client address -> deque of times
         self.closed = False
         self._expired_at = -1.0
+        self.dial_waits: Any = lambda token: False  # is a dial's client still waiting?
 
     def close(self) -> None:
         """Wake every long-poll and waiting client (the relay is stopping)."""
@@ -379,7 +382,9 @@ class RelayHub:
         if not token or not hmac.compare_digest(relay_server_id(token), server_id):
             raise ApiError(403, "FORBIDDEN", "this relay token does not certify that server id")
 
-    def register(self, server_id: str, token: str, relay_code: str, addr: str) -> None:
+    def register(
+        self, server_id: str, token: str, relay_code: str, addr: str, passthrough: bool = False
+    ) -> None:
         now = time.monotonic()
         self._rate_limit(addr, now)
         self.check_token(server_id, token)
@@ -396,6 +401,7 @@ class RelayHub:
                 )
             slot = self.servers[server_id] = _RelayServer()
         slot.last_seen = now
+        slot.passthrough = passthrough
         if relay_code:
             if slot.code and slot.code != relay_code.lower():
                 self.codes.pop(slot.code, None)
@@ -462,7 +468,9 @@ class RelayHub:
         slot.last_seen = time.monotonic()
         while slot.queue:
             request = slot.queue.popleft()
-            if request["id"] in slot.waiting:  # its client may have given up meanwhile
+            if request.get("id") in slot.waiting:  # its client may have given up meanwhile
+                return request
+            if request.get("kind") == "dial" and self.dial_waits(request["token"]):
                 return request
         if self.closed:
             return None
@@ -476,6 +484,38 @@ class RelayHub:
             slot.last_seen = time.monotonic()
             with contextlib.suppress(ValueError):
                 slot.pollers.remove(fut)
+
+    def splices_to(self, server_id: str) -> bool:
+        """Return whether a server registered here in passthrough mode (and is polling)."""
+        slot = self.servers.get(server_id)
+        return (
+            slot is not None
+            and slot.passthrough
+            and time.monotonic() - slot.last_seen <= RELAY_EXPIRY
+        )
+
+    def dial(self, server_id: str, message: dict):
+        """Put a dial in a server's long-poll; return True, or False when it cannot be (not
+        connected, its queue full of requests), or the token of the oldest dial it took the
+        place of (a queue full of dials: the newest client comes first, so a flood of
+        unfinished handshakes cannot keep the owner out)."""
+        slot = self.servers.get(server_id)
+        if slot is None:
+            return False
+        while slot.pollers:
+            poller = slot.pollers.popleft()
+            if not poller.done():
+                poller.set_result(message)
+                return True
+        if len(slot.queue) >= self.config.relay_max_queue:
+            oldest = next((m for m in slot.queue if m.get("kind") == "dial"), None)
+            if oldest is None:
+                return False
+            slot.queue.remove(oldest)
+            slot.queue.append(message)
+            return oldest["token"]
+        slot.queue.append(message)
+        return True
 
     def reply(self, server_id: str, token: str, request_id: str, answer: dict) -> None:
         slot = self._slot(server_id, token)
@@ -528,10 +568,11 @@ class RelayHub:
 class _Conn:
     """One client connection; `busy` while a request is in flight or a poll is held."""
 
-    __slots__ = ("busy", "opened", "peer", "writer")
+    __slots__ = ("busy", "opened", "peer", "scheme", "writer")
 
     def __init__(self, writer: asyncio.StreamWriter, peer: str):
         self.writer, self.peer, self.busy, self.opened = writer, peer, False, time.monotonic()
+        self.scheme = "http"
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -548,6 +589,18 @@ class RelayServer:
         self.lingering = 0  # connections draining a refused body (_linger)
         self.server: asyncio.AbstractServer | None = None
         self.domain = config.relay_domain  # "": no per-server origins (pages path-based)
+        # passthrough (SERVICE_RELAY_TLS): the TLS port, the challenge records and who
+        # holds them (its own DNS, or another DNS server by RFC 2136 updates)
+        self.front: TlsFront | None = None
+        self.dns: DnsServer | None = None
+        self.updater: DnsUpdater | None = None
+        self.challenges = ChallengeRecords(config.relay_max_servers)
+        if config.relay_tls == "passthrough":
+            self.front = TlsFront(config, self.hub, self._serve_connection)
+            self.hub.dial_waits = lambda token: token in self.front.dials
+            if config.relay_dns_update:
+                name, secret = tsig_setting(config.relay_dns_tsig_secret)
+                self.updater = DnsUpdater(config.relay_dns_update, name, secret, self.domain)
         assets = re.compile("^(" + "|".join(map(re.escape, WEB_ASSETS)) + ")$")
         prefixed = r"^/r/([^/]+)"
         # The relay's own host: its API for servers, the path-based JSON routes of every
@@ -562,6 +615,8 @@ class RelayServer:
             ("POST", re.compile(r"^/relay/v1/reply/([^/]+)/([^/]+)$"), self.reply),
             ("POST", re.compile(r"^/relay/v1/code/([^/]+)$"), self.set_code),
             ("GET", re.compile(r"^/relay/v1/pair/([^/]+)$"), self.pair),
+            ("PUT", re.compile(r"^/relay/v1/acme/([^/]+)$"), self.acme),
+            ("DELETE", re.compile(r"^/relay/v1/acme/([^/]+)$"), self.acme),
             ("*", re.compile(prefixed + r"(/api/v1(?:/.*)?)$", re.S), self.forward),
             ("GET", RELAYED_WELL_KNOWN_RE, self.forward_well_known),
             ("POST", re.compile(prefixed + r"(/oauth/(?:token|register|revoke))$"), self.forward),
@@ -591,15 +646,48 @@ class RelayServer:
     # -- connections ---------------------------------------------------------------
 
     async def start(self) -> int:
-        """Listen; return the port."""
-        self.server = await asyncio.start_server(
-            self._serve_connection,
-            self.config.host,
-            self.config.port,
-            limit=RELAY_MAX_HEAD,
-            backlog=1024,
-        )
-        return self.server.sockets[0].getsockname()[1]
+        """Listen (HTTP; with passthrough, TLS and DNS too); return the HTTP port."""
+        shared = self.front is not None and self.config.relay_tls_port == self.config.port
+        if shared and self.config.port:  # one port: the TLS front takes HTTP too
+            port = await self.front.start(shared=True)
+        else:
+            self.server = await asyncio.start_server(
+                self._serve_connection,
+                self.config.host,
+                self.config.port,
+                limit=RELAY_MAX_HEAD,
+                backlog=1024,
+            )
+            port = self.server.sockets[0].getsockname()[1]
+            if self.front is not None:
+                await self.front.start(shared=False)
+        if self.front is not None and self.updater is None:
+            zone = DnsZone(self.domain, self.dns_addresses(), self.challenges)
+            self.dns = DnsServer(zone, self.config.host, self.config.relay_dns_port)
+            await self.dns.start()
+        return port
+
+    def dns_addresses(self) -> tuple:
+        """Return the A/AAAA answers for D and *.D: SERVICE_RELAY_DNS_ADDRESSES, else
+        SERVICE_HOST when it names one address, else the default-route address."""
+        if self.config.relay_dns_addresses:
+            return self.config.relay_dns_addresses
+        host = self.config.host.strip("[]")
+        if host not in ("", "0.0.0.0", "::") and ip_of(host) is not None:
+            return (host,)
+        found = lan_address().strip("[]")
+        if not found:
+            log.warning("relay: no address for DNS answers: set SERVICE_RELAY_DNS_ADDRESSES")
+        return (found,) if found else ()
+
+    def close(self) -> None:
+        """Stop listening (HTTP, TLS, DNS)."""
+        if self.server is not None:
+            self.server.close()
+        if self.front is not None:
+            self.front.close()
+        if self.dns is not None:
+            self.dns.close()
 
     def _admit(self, conn: _Conn) -> None:
         """Track a connection; close the address's oldest idle one beyond the cap."""
@@ -617,14 +705,24 @@ class RelayServer:
             if not conns:
                 del self.by_addr[conn.peer]
 
-    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
-        peer = (writer.get_extra_info("peername") or ("?", 0))[0]
+    async def _serve_connection(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        peer: str = "",
+        scheme: str = "http",
+    ):
+        """Serve one connection's requests; `peer` and `scheme` as the TLS port found them
+        (a trusted proxy's PROXY header; TLS ended here)."""
+        peer = peer or (writer.get_extra_info("peername") or ("?", 0))[0]
         conn = _Conn(writer, peer)
+        conn.scheme = scheme
         self._admit(conn)
+        keep_alive = None
         try:
             while not self.hub.closed:
                 keep_alive = await self._serve_one(conn, reader, writer)
-                if not keep_alive:
+                if not keep_alive or keep_alive is UPGRADED:
                     break
         except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass
@@ -632,7 +730,8 @@ class RelayServer:
             log.exception("relay: connection from %s failed", peer)
         finally:
             self._forget(conn)
-            conn.close()
+            if keep_alive is not UPGRADED:  # (a data connection now: the splice has it)
+                conn.close()
 
     async def _serve_one(self, conn: _Conn, reader, writer) -> bool:
         timeout = self.config.idle_timeout
@@ -657,6 +756,8 @@ class RelayServer:
                 conn.busy = False
                 await self._linger(reader, writer, LINGER_MAX_BYTES)
                 return False
+            if method == "POST" and path.startswith("/relay/v1/dial/"):
+                return await self._dial(conn, reader, writer, path, headers, length)
             host = next((v for k, v in headers if k.lower() == "host"), "")
             limit = self._body_limit(path, host)
             if length > limit:
@@ -692,6 +793,7 @@ class RelayServer:
                 await self._linger(reader, writer, LINGER_MAX_BYTES)
                 return False
             request = RelayRequest(method, path, query, headers, body, conn.peer, keep_alive)
+            request.scheme = conn.scheme
             started = time.perf_counter()
             status, out_headers, out_body = await self._route(request)
             await self._send(writer, status, out_headers, out_body, keep_alive)
@@ -706,6 +808,36 @@ class RelayServer:
             return keep_alive
         finally:
             conn.busy = False
+
+    async def _dial(self, conn: _Conn, reader, writer, path: str, headers: list, length: int):
+        """`POST /relay/v1/dial/<serverId>/<token>` (Upgrade: notesvc-splice): a server's
+        data connection for a client waiting on the TLS port. 101 and the splice, or 403
+        (a wrong, used or expired token) and close."""
+        m = re.match(r"^/relay/v1/dial/([^/]+)/([^/]+)$", path)
+        upgrade = next((v for k, v in headers if k.lower() == "upgrade"), "")
+        token = next((v for k, v in headers if k.lower() == "x-relay-token"), "")
+        if self.front is None:
+            answer = self._error(404, "this relay does not offer passthrough")
+        elif not m or length != 0 or upgrade.strip().lower() != SPLICE_UPGRADE:
+            answer = self._error(400, f"a dial is a POST with Upgrade: {SPLICE_UPGRADE}, no body")
+        else:
+            try:
+                self.hub.check_token(m.group(1), token)
+                dial = self.front.take_dial(m.group(1), m.group(2))
+                if dial is None:
+                    raise ApiError(403, "FORBIDDEN", "no client waits under that dial token")
+            except ApiError as e:
+                answer = self._error(e.status_code, e.message, e.code)
+            else:
+                writer.write(
+                    b"HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\n"
+                    + f"Upgrade: {SPLICE_UPGRADE}\r\n\r\n".encode()
+                )
+                early = bytes(reader._buffer) if getattr(reader, "_buffer", None) else b""
+                await self.front.join(dial, writer, early)
+                return UPGRADED
+        await self._send(writer, *answer, False)
+        return False
 
     async def _linger(self, reader, writer, budget: int) -> None:
         """After an early error: shut the sending side (the answer is out), then read and
@@ -855,7 +987,7 @@ class RelayServer:
 
     def base_url(self, req: RelayRequest) -> str:
         environ = {
-            "wsgi.url_scheme": "http",
+            "wsgi.url_scheme": req.scheme,
             "HTTP_HOST": req.header("Host"),
             "REMOTE_ADDR": req.peer,
             "SERVER_PORT": str(self.config.port),
@@ -875,6 +1007,15 @@ class RelayServer:
             "uptimeSeconds": round(time.time() - self.started, 3),
             "servers": len(self.hub.servers),
             "queued": sum(len(slot.queue) for slot in self.hub.servers.values()),
+            **({"passthrough": self.passthrough_stats()} if self.front is not None else {}),
+        }
+
+    def passthrough_stats(self) -> dict:
+        return {
+            "servers": sum(1 for s in self.hub.servers.values() if s.passthrough),
+            **self.front.stats(),
+            "challenges": len(self.challenges.values),
+            "dns": f"updates to {self.config.relay_dns_update}" if self.updater else "own",
         }
 
     def info(self, req: RelayRequest) -> dict:
@@ -883,7 +1024,17 @@ class RelayServer:
             "domain": self.domain or None,
             "perServerOrigins": bool(self.domain),
             "publicUrl": self.config.public_url or self.base_url(req),
+            "passthrough": self.front is not None,
+            **({"tlsPort": self.tls_port()} if self.front is not None else {}),
         }
+
+    def tls_port(self) -> int:
+        """Return the port clients reach <id>.D on: SERVICE_PUBLIC_URL's when it is https
+        (a proxy in front), else the TLS port this relay listens on."""
+        parts = urllib.parse.urlsplit(self.config.public_url)
+        if parts.scheme == "https":
+            return parts.port or 443
+        return self.front.port if self.front is not None else 0
 
     def server_origin(self, req: RelayRequest, server_id: str) -> str:
         """Return https://<serverId>.<domain>[:port]: the scheme and port of the relay's
@@ -968,8 +1119,12 @@ class RelayServer:
             raise bad_request("the server id must be 20 characters of a-z and 2-7")
         if code and not RELAY_CODE_RE.match(code):
             raise bad_request("a relay code is 1-64 letters, digits and dashes")
-        self.hub.register(server_id, token, code, self.client_addr(req))
-        return {"registered": True, "serverId": server_id}
+        passthrough = body.get("passthrough", False)
+        if not isinstance(passthrough, bool):
+            raise bad_request("passthrough must be true or false")
+        offered = self.front is not None
+        self.hub.register(server_id, token, code, self.client_addr(req), passthrough and offered)
+        return {"registered": True, "serverId": server_id, "passthrough": offered}
 
     async def poll(self, req: RelayRequest, server_id: str):
         request = await self.hub.poll(server_id, req.header("X-Relay-Token"))
@@ -998,6 +1153,46 @@ class RelayServer:
         token = field(body, "token", max_len=256)
         self.hub.set_code(code, server_id, token, self.client_addr(req))
         return {"relayCode": code.lower(), "serverId": server_id}
+
+    async def acme(self, req: RelayRequest, server_id: str) -> dict:
+        """PUT /relay/v1/acme/<serverId> {values}: the `TXT _acme-challenge.<id>.D` of
+        that server, set only with its token (X-Relay-Token) while it is registered here;
+        DELETE clears it. Gone after 10 minutes."""
+        if self.front is None:
+            raise not_found("this relay does not offer passthrough")
+        self.hub._slot(server_id, req.header("X-Relay-Token"))
+        values = []
+        if req.method == "PUT":
+            values = self._json(req).get("values")
+            if (
+                not isinstance(values, list)
+                or not 1 <= len(values) <= CHALLENGE_MAX_VALUES
+                or not all(
+                    isinstance(v, str)
+                    and 1 <= len(v) <= CHALLENGE_MAX_BYTES
+                    and re.fullmatch(r"[!-~]+", v)
+                    for v in values
+                )
+            ):
+                raise bad_request(
+                    f"values: 1-{CHALLENGE_MAX_VALUES} strings of 1-{CHALLENGE_MAX_BYTES} "
+                    "printable ASCII characters"
+                )
+        try:
+            if self.updater is not None and values:
+                await self.updater.set(server_id, values)
+            elif self.updater is not None:
+                await self.updater.clear(server_id)
+            elif values:
+                self.challenges.set(server_id, values)
+            else:
+                self.challenges.clear(server_id)
+        except DnsError as e:
+            code = "RATE_LIMITED" if e.rcode == 5 and self.updater is None else "UPSTREAM_ERROR"
+            raise ApiError(429 if code == "RATE_LIMITED" else 502, code, str(e)) from None
+        except OSError as e:
+            raise ApiError(502, "UPSTREAM_ERROR", f"the DNS server: {e}") from None
+        return {"name": f"_acme-challenge.{server_id}.{self.domain}", "values": values}
 
     def pair(self, req: RelayRequest, code: str) -> dict:
         server_id = self.hub.pair(code)
@@ -1177,241 +1372,3 @@ def _private_path(path: str) -> str:
 
 
 _SECRET_PATH_RE = re.compile(r"^(/ics/|/s/)[^/]*?([^/]{0,4}?)(?:\.ics)?$")
-
-
-RELAY_WORKERS = 4  # relayed requests a server answers at once (change-feed waits: half)
-
-
-class RelayClient:
-    """The server side: register at SERVICE_RELAY_URL, long-poll, answer in-process.
-
-    Polls run on one thread over a kept-alive connection; each request is answered by a
-    small worker pool, so a slow request never holds up the next poll.
-    """
-
-    def __init__(self, app: NotesApp):
-        import concurrent.futures
-
-        self.app, self.svc = app, app.service
-        self.url = self.svc.config.relay_url
-        self.state, self.error, self.since = "connecting", None, iso(utcnow())
-        self._stop = threading.Event()
-        self._registered_code = None
-        self._code_sent_at = 0.0
-        self._local = threading.local()
-        self._workers = concurrent.futures.ThreadPoolExecutor(RELAY_WORKERS, "notesvc-relay-worker")
-        self._thread = threading.Thread(target=self._run, name="notesvc-relay", daemon=True)
-
-    def start(self) -> RelayClient:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._workers.shutdown(wait=False)
-
-    def status(self) -> dict:
-        return {"url": self.url, "state": self.state, "since": self.since, "lastError": self.error}
-
-    def _set(self, state: str, error: str | None = None) -> None:
-        if state != self.state:
-            self.state, self.since = state, iso(utcnow())
-        self.error = error
-
-    # -- HTTP to the relay ----------------------------------------------------------
-
-    def _call(self, method: str, path: str, body: dict | None = None, timeout: float = 15):
-        """Return (status, parsed JSON or None) of one call to the relay (kept-alive per thread).
-
-        Raises UpstreamError when the relay cannot be reached.
-        """
-        import http.client
-
-        parts = urllib.parse.urlsplit(self.url)
-        conn = getattr(self._local, "conn", None)
-        if conn is None or conn.timeout != timeout:
-            kind = (
-                http.client.HTTPSConnection
-                if parts.scheme == "https"
-                else http.client.HTTPConnection
-            )
-            conn = self._local.conn = kind(parts.netloc, timeout=timeout)
-        st = self.svc.state.read()
-        headers = {"X-Relay-Token": st["relayToken"]}
-        payload = None
-        if body is not None:
-            payload = to_json(body)
-            headers["Content-Type"] = "application/json"
-        for attempt in (1, 2):  # a kept-alive connection the relay closed: once more, fresh
-            try:
-                conn.request(method, parts.path.rstrip("/") + path, payload, headers)
-                resp = conn.getresponse()
-                raw = resp.read()
-                break
-            except (OSError, http.client.HTTPException) as e:
-                conn.close()
-                if attempt == 2 or self._stop.is_set():
-                    reason = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else e
-                    raise UpstreamError(f"{method} {path.split('/')[3]}: {reason}") from None
-        try:
-            return resp.status, json.loads(raw) if raw else None
-        except ValueError:
-            return resp.status, None
-
-    def register(self) -> None:
-        """Register this server (and its relay code); UpstreamError, or RelayRefused."""
-        st = self.svc.state.read()
-        sid, code = st["serverId"], st["relayCode"]
-        status, answer = self._call(
-            "POST", f"/relay/v1/register/{sid}", {"token": st["relayToken"], "relayCode": code}
-        )
-        said = [st["relayToken"]]  # a relay that says it back: never into the log or the info
-        if status != 200:
-            raise RelayRefused(status, scrub(_relay_message(answer, status), said))
-        status, answer = self._call(
-            "POST", f"/relay/v1/code/{code}", {"serverId": sid, "token": st["relayToken"]}
-        )
-        if status != 200:
-            raise RelayRefused(status, scrub(_relay_message(answer, status), said))
-        self._registered_code, self._code_sent_at = code, time.monotonic()
-        self._learn_origin(sid)
-
-    def _learn_origin(self, sid: str) -> None:
-        """Ask the relay whether it gives servers their own origins, and remember this
-        server's (links, share URLs and the OAuth issuer name it; docs/design.md: relay)."""
-        status, answer = self._call("GET", "/relay/v1/info")
-        info = answer.get("data") if status == 200 and isinstance(answer, dict) else None
-        origin = ""
-        if isinstance(info, dict) and info.get("perServerOrigins") and info.get("domain"):
-            parts = urllib.parse.urlsplit(str(info.get("publicUrl") or self.url))
-            domain = str(info["domain"]).lower()
-            if parts.scheme in ("http", "https") and valid_host(f"{sid}.{domain}"):
-                port = f":{parts.port}" if parts.port else ""
-                origin = f"{parts.scheme}://{sid}.{domain}{port}"
-        known = {"relay": self.url, "origin": origin}
-        if self.svc.state.read().get("relayOrigin") != known:
-            self.svc.state.update(lambda data: data.update(relayOrigin=known))
-            if origin:
-                log.info("relay: this server's own origin there is %s", origin)
-
-    def _run(self) -> None:
-        backoff = 1.0
-        while not self._stop.is_set():
-            try:
-                self.register()
-                self._set("connected")
-                backoff = 1.0
-                log.info("relay: connected to %s", self.url)
-                while not self._stop.is_set():
-                    stale = time.monotonic() - self._code_sent_at > RELAY_CODE_TTL / 3
-                    if stale or self.svc.state.read()["relayCode"] != self._registered_code:
-                        self.register()  # the key (and with it the relay code) was rotated
-                    request = self._poll()
-                    if request is not None:
-                        self._workers.submit(self._serve, request)
-            except RelayRefused as e:
-                self._set("refused", e.message)
-                log.warning("relay %s refused this server: %s", self.url, e.message)
-                self._stop.wait(max(backoff, 30.0 if e.status == 429 else 60.0))
-                backoff = min(backoff * 2, 300.0)
-            except UpstreamError as e:  # relay down or restarted: try again, more slowly
-                self._set("error" if self.state != "connecting" else "connecting", str(e))
-                log.warning("relay %s: %s; retrying in %.0f s", self.url, e, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
-            except Exception as e:
-                self._set("error", type(e).__name__)
-                log.exception("relay %s: unexpected failure; retrying in %.0f s", self.url, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
-
-    def _poll(self) -> dict | None:
-        sid = self.svc.state.read()["serverId"]
-        status, answer = self._call("GET", f"/relay/v1/poll/{sid}", timeout=RELAY_POLL_WAIT + 15)
-        if status == 204:
-            return None
-        if status == 200 and isinstance(answer, dict) and isinstance(answer.get("data"), dict):
-            return answer["data"]
-        if status in (401, 403):  # the relay forgot us (restart, expiry): register again
-            raise UpstreamError(f"poll answered HTTP {status}; registering again")
-        raise UpstreamError(f"poll answered HTTP {status}")
-
-    def _serve(self, request: dict) -> None:
-        try:
-            status, headers, body = self._dispatch(request)
-            sid = self.svc.state.read()["serverId"]
-            self._call(
-                "POST",
-                f"/relay/v1/reply/{sid}/{request['id']}",
-                {"status": status, "headers": headers, "body": _b64(body)},
-                timeout=30,
-            )
-        except Exception:  # the client gets a 504 from the relay; we log why
-            log.exception("relay: answering request %s failed", request.get("id"))
-
-    def _dispatch(self, request: dict) -> tuple:
-        """Run one relayed request through the app in-process; return (status, headers, body)."""
-        body = base64.b64decode(request.get("body", ""))
-        sid = self.svc.state.read()["serverId"]
-        # "" when the request came to this server's own origin on the relay, else /r/<id>
-        on_origin = request.get("prefix") == "" and bool(self.svc.relay_origin())
-        environ = {
-            "REQUEST_METHOD": request["method"],
-            "SCRIPT_NAME": "" if on_origin else f"/r/{sid}",
-            "PATH_INFO": request["path"].encode("utf-8").decode("latin-1"),
-            "QUERY_STRING": request.get("query", ""),
-            "SERVER_NAME": "relay",
-            "SERVER_PORT": "443" if request.get("scheme") == "https" else "80",
-            "SERVER_PROTOCOL": "HTTP/1.1",
-            "REMOTE_ADDR": request.get("client", ""),  # the lockout counts per real client
-            "wsgi.version": (1, 0),
-            "wsgi.url_scheme": request.get("scheme", "http"),
-            "wsgi.input": io.BytesIO(body),
-            "wsgi.errors": sys.stderr,
-            "wsgi.multithread": True,
-            "wsgi.multiprocess": False,
-            "wsgi.run_once": False,
-            "CONTENT_LENGTH": str(len(body)),
-            "notesvc.relayed": True,
-            "notesvc.relay_origin": self.svc.relay_origin() if on_origin else "",
-        }
-        for name, value in request.get("headers", []):
-            key = name.upper().replace("-", "_")
-            if key == "CONTENT_TYPE":
-                environ["CONTENT_TYPE"] = value
-            elif key not in (
-                "CONTENT_LENGTH",
-                "X_FORWARDED_FOR",
-                "X_FORWARDED_PROTO",
-                "X_FORWARDED_HOST",
-            ):
-                environ[f"HTTP_{key}"] = value
-        if request.get("host"):
-            environ["HTTP_HOST"] = request["host"]
-        seen: dict = {}
-
-        def start_response(status, headers, exc_info=None):
-            seen["status"], seen["headers"] = int(status.split()[0]), headers
-
-        chunks = self.app(environ, start_response)
-        try:
-            data = b"".join(chunks)
-        finally:
-            if hasattr(chunks, "close"):
-                chunks.close()
-        return seen["status"], [list(h) for h in seen["headers"]], data
-
-
-class RelayRefused(Exception):
-    """The relay answered a registration with a refusal (status and its message)."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def _relay_message(answer: Any, status: int) -> str:
-    try:
-        return f"HTTP {status}: {answer['error']['message']}"[:300]
-    except (TypeError, KeyError):
-        return f"HTTP {status}"

@@ -241,6 +241,7 @@ class Service:
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
         self.embedder: Any = None  # Embedder: the notes' vectors, when embeddings are on
+        self.reader: Any = None  # FileTextReader: the text inside PDFs and images
         # ... and made on first use, by the function named (a request of theirs):
         self.task_book: Any = None  # TaskBook: the tasks' UIDs and sync tokens (task_book)
         self.dav: Any = None  # DavState: WebDAV's locks, properties, ETags (dav_state)
@@ -332,7 +333,7 @@ class Service:
         self._spawn(lambda: expire_loop(self.notes, self.trash, self._stop), "notesvc-expire")
         if self.config.rescan_seconds:  # its first check runs at once: searches need not wait
             self._spawn(self._rescan_loop, "notesvc-rescan")
-        for component in (self.pollers, self.reminders, self.embedder):
+        for component in (self.pollers, self.reminders, self.embedder, self.reader):
             if component is not None:
                 component.start()
         return self
@@ -438,7 +439,7 @@ class Service:
     def close(self) -> None:
         """Stop background work and persist the index (once; a read-only service has none)."""
         self._stop.set()
-        for component in (self.pollers, self.reminders, self.embedder):
+        for component in (self.pollers, self.reminders, self.embedder, self.reader):
             if component is not None:
                 component.close()
         self.journal.close()  # long-polls answer now

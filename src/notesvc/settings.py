@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import ipaddress
 import os
@@ -71,6 +72,22 @@ def _setup_local_only(raw: str) -> str:
     return "auto" if word == "auto" else ("true" if _bool(raw) else "false")
 
 
+def _attachment_text(raw: str) -> str:
+    """Parse SERVICE_ATTACHMENT_TEXT: auto (read files when the tools are there) or off."""
+    word = raw.strip().lower()
+    if word in ("auto", "off"):
+        return word
+    raise ValueError(f"{raw!r} is not auto or off")
+
+
+def _ocr_langs(raw: str) -> str:
+    """Parse SERVICE_OCR_LANGS: tesseract's language codes joined by + (eng, deu+eng)."""
+    text = raw.strip()
+    if not re.fullmatch(r"[A-Za-z_]{2,32}(\+[A-Za-z_]{2,32}){0,7}", text):
+        raise ValueError(f"{raw!r} is not tesseract languages such as eng or deu+eng")
+    return text
+
+
 def _duration(lo: int, hi: int) -> Callable[[str], int]:
     """Parse seconds: a whole number, or one with s, m or h after it (30m, 2h)."""
     units = {"s": 1, "m": 60, "h": 3600}
@@ -134,6 +151,44 @@ def _domain(raw: str) -> str:
     if name and (len(name) > 200 or not re.fullmatch(rf"{label}(?:\.{label})+", name)):
         raise ValueError(f"{raw!r} is not a domain name such as relay.example.org")
     return name
+
+
+def _host_port(raw: str) -> str:
+    """Parse host:port ([v6]:port) of a DNS server (SERVICE_RELAY_DNS_UPDATE); "" is none."""
+    raw = raw.strip()
+    if not raw:
+        return ""
+    host, sep, port = raw.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{raw!r} is not host:port (e.g. 127.0.0.1:53)")
+    return raw
+
+
+def _addresses(raw: str) -> tuple:
+    """Parse a comma-separated list of IP addresses (SERVICE_RELAY_DNS_ADDRESSES)."""
+    found = []
+    for item in raw.split(","):
+        item = item.strip().strip("[]")
+        if item:
+            try:
+                found.append(str(ipaddress.ip_address(item)))
+            except ValueError:
+                raise ValueError(f"{item!r} is not an IP address") from None
+    return tuple(found)
+
+
+def _tsig(raw: str) -> str:
+    """Parse SERVICE_RELAY_DNS_TSIG: <key name>:<base64 HMAC-SHA256 secret>."""
+    raw = raw.strip()
+    if raw:
+        name, sep, secret = raw.partition(":")
+        try:
+            key = base64.b64decode(secret.strip(), validate=True)
+        except ValueError:
+            key = b""
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]{1,250}", name) or len(key) < 16:
+            raise ValueError("give it as <key name>:<base64 secret of at least 16 bytes>")
+    return raw
 
 
 def _origins(raw: str) -> tuple:
@@ -258,6 +313,32 @@ SETTINGS = (
         "relay or open-port",
     ),
     Setting("relay_url", "SERVICE_RELAY_URL", "--relay-url", "", _url, "relay address"),
+    Setting(
+        "relay_passthrough",
+        "SERVICE_RELAY_PASSTHROUGH",
+        "",
+        "auto",
+        _choice("auto", "off"),
+        "auto: when the relay offers it, TLS ends on this server (a certificate for "
+        "<serverId>.<domain> by ACME); off: never",
+    ),
+    Setting(
+        "acme_directory",
+        "SERVICE_ACME_DIRECTORY",
+        "",
+        "https://acme-v02.api.letsencrypt.org/directory",
+        _url,
+        "the ACME CA's directory for that certificate",
+    ),
+    Setting("acme_email", "SERVICE_ACME_EMAIL", "", "", _text, "contact for the ACME account"),
+    Setting(
+        "acme_ca_file",
+        "SERVICE_ACME_CA_FILE",
+        "",
+        "",
+        _text,
+        "a CA file to trust for the ACME directory's own HTTPS (a test CA)",
+    ),
     Setting("client_url", "SERVICE_CLIENT_URL", "", "", _url, "links.connect.hosted base"),
     Setting("test_client_url", "SERVICE_TEST_CLIENT_URL", "", "", _url, "links.connect.testHosted"),
     Setting("agent_provider", "SERVICE_AGENT_PROVIDER", "", "local", _text, "agent provider"),
@@ -409,6 +490,68 @@ SETTINGS = (
         "relay role: idle connections kept per client address (the oldest closed first)",
     ),
     Setting(
+        "relay_tls",
+        "SERVICE_RELAY_TLS",
+        "",
+        "off",
+        _choice("off", "passthrough"),
+        "relay role: passthrough: splice <serverId>.<domain> to its server by SNI, TLS ending "
+        "there (needs SERVICE_RELAY_DOMAIN)",
+    ),
+    Setting(
+        "relay_tls_port",
+        "SERVICE_RELAY_TLS_PORT",
+        "",
+        "443",
+        _port,
+        "relay role: the TLS port of passthrough (may be the HTTP port: told apart by the "
+        "first byte)",
+    ),
+    Setting(
+        "relay_tls_cert",
+        "SERVICE_RELAY_TLS_CERT",
+        "",
+        "",
+        _text,
+        "relay role: the relay's own certificate (PEM chain) for <domain>, and *.<domain> to "
+        "terminate servers not in passthrough",
+    ),
+    Setting("relay_tls_key", "SERVICE_RELAY_TLS_KEY", "", "", _text, "relay role: its private key"),
+    Setting(
+        "relay_dns_port",
+        "SERVICE_RELAY_DNS_PORT",
+        "",
+        "53",
+        _port,
+        "relay role: the port of its DNS for <domain> (UDP and TCP), with passthrough",
+    ),
+    Setting(
+        "relay_dns_addresses",
+        "SERVICE_RELAY_DNS_ADDRESSES",
+        "",
+        "",
+        _addresses,
+        "relay role: the A/AAAA answers for <domain> and *.<domain> (default: SERVICE_HOST "
+        "when it is one address, else this machine's default-route address)",
+    ),
+    Setting(
+        "relay_dns_update",
+        "SERVICE_RELAY_DNS_UPDATE",
+        "",
+        "",
+        _host_port,
+        "relay role: host:port of a DNS server to set challenge records in by RFC 2136 "
+        "updates, instead of answering DNS itself",
+    ),
+    Setting(
+        "relay_dns_tsig_secret",
+        "SERVICE_RELAY_DNS_TSIG",
+        "",
+        "",
+        _tsig,
+        "relay role: the TSIG key of those updates, <key name>:<base64 HMAC-SHA256 secret>",
+    ),
+    Setting(
         "pairing_ttl",
         "SERVICE_PAIRING_TTL",
         "",
@@ -442,6 +585,18 @@ SETTINGS = (
     ),
     Setting("transcribe_model", "SERVICE_TRANSCRIBE_MODEL", "", "whisper-1", _text, "model"),
     Setting("transcribe_api_key", "SERVICE_TRANSCRIBE_API_KEY", "", "", _text, "transcription key"),
+    Setting(
+        "attachment_text",
+        "SERVICE_ATTACHMENT_TEXT",
+        "",
+        "auto",
+        _attachment_text,
+        "read the text inside PDFs and images for search (auto: when pdftotext or tesseract is"
+        " installed; off)",
+    ),
+    Setting(
+        "ocr_langs", "SERVICE_OCR_LANGS", "", "eng", _ocr_langs, "tesseract languages (deu+eng)"
+    ),
     Setting(
         "timezone",
         "SERVICE_TIMEZONE",
@@ -547,6 +702,10 @@ class Config:
     setup_window: int
     pairing: str
     relay_url: str
+    relay_passthrough: str
+    acme_directory: str
+    acme_email: str
+    acme_ca_file: str
     client_url: str
     test_client_url: str
     agent_provider: str
@@ -578,12 +737,22 @@ class Config:
     relay_registrations_per_minute: int
     relay_domain: str
     relay_max_idle_per_address: int
+    relay_tls: str
+    relay_tls_port: int
+    relay_tls_cert: str
+    relay_tls_key: str
+    relay_dns_port: int
+    relay_dns_addresses: tuple
+    relay_dns_update: str
+    relay_dns_tsig_secret: str
     pairing_ttl: int
     device_idle_days: int
     max_attachment_bytes: int
     transcribe_url: str
     transcribe_model: str
     transcribe_api_key: str
+    attachment_text: str
+    ocr_langs: str
     timezone: str
     max_import_bytes: int
     max_import_expanded_bytes: int
@@ -630,5 +799,9 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
             f"{values['threads']} SERVICE_THREADS to other requests; use at most "
             f"{values['threads'] - 1}"
         )
+    if values["relay_tls"] == "passthrough" and not values["relay_domain"]:
+        raise ConfigError("SERVICE_RELAY_TLS: passthrough needs SERVICE_RELAY_DOMAIN")
+    if values["relay_dns_update"] and not values["relay_dns_tsig_secret"]:
+        raise ConfigError("SERVICE_RELAY_DNS_TSIG: SERVICE_RELAY_DNS_UPDATE is set: give its key")
     values["root"] = values["root"].resolve()
     return Config(**values)

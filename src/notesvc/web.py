@@ -6,6 +6,7 @@ import base64
 import functools
 import gzip
 import hashlib
+import re
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
@@ -49,24 +50,136 @@ WEB_GRANTS_JS = web_source("grants.js")
 WEB_OFFLINE_JS = web_source("offline.js")
 SW_JS = web_source("sw.js")
 WEB_DEVICES_JS = web_source("devices.js")
+WEB_PEOPLE_JS = web_source("people.js")
 WEB_TRANSFER_JS = web_source("transfer.js")
+WEB_CAPTURE_JS = web_source("capture.js")
 WEB_MAIN_JS = web_source("main.js")
+# Record's code: its own script, fetched when Record is first pressed (the page's budget)
+RECORD_JS = web_source("record.js")
+
+
+# a / after one of these (or a line's start) opens a regular expression, else it divides
+_REGEX_AFTER = set("(,=:[!&|?{};+-*%<>~^")
+_REGEX_WORD = re.compile(r"\b(return|typeof|case|of|in|do|else|void|yield|await)\s*\Z")
+
+
+def scan_script(js: str) -> tuple:
+    """Return (the numbers, from 0, of the lines of a script that begin inside a string or
+    a template literal: text, kept as it is; the (start, end) of each comment). A small
+    scanner of the script's strings, comments, templates (with `${}` inside) and regular
+    expressions; prettier's layout keeps the regex-or-division guess simple. ValueError when
+    it ends inside a template (it lost its place: nothing it found is used).
+
+    >>> scan_script("a = `x\\n  y` + /`/.source; // why\\nb = '`'; /* c */")
+    ({1}, [(26, 32), (42, 49)])
+    """
+    kept: set = set()
+    comments: list = []
+    stack = ["code"]  # modes: code (its `{` depth beside it in depths), tpl
+    depths = [0]
+    i, line, n, last = 0, 0, len(js), ""  # last: the code's last significant character
+    while i < n:
+        c, mode = js[i], stack[-1]
+        if c == "\n":
+            line += 1
+            if mode == "tpl":
+                kept.add(line)
+        elif mode == "tpl":
+            if c == "\\" and js[i + 1 : i + 2] == "\n":
+                i += 1
+                line += 1
+                kept.add(line)
+            elif c == "\\":
+                i += 1
+            elif c == "`":
+                stack.pop()
+                last = "`"
+            elif js.startswith("${", i):
+                stack.append("code")
+                depths.append(0)
+                i += 1
+        elif js.startswith("//", i):
+            end = js.find("\n", i)
+            end = n if end < 0 else end
+            comments.append((i, end))
+            i = end - 1
+        elif js.startswith("/*", i):
+            end = js.find("*/", i + 2) + 2
+            end = n if end < 2 else end
+            comments.append((i, end))
+            line += js.count("\n", i, end)
+            i = end - 1
+        elif c in "'\"":
+            i += 1
+            while i < n and js[i] != c:
+                if js[i] == "\\":
+                    i += 1
+                    if js[i : i + 1] == "\n":
+                        line += 1
+                        kept.add(line)  # a string continued on the next line
+                i += 1
+            last = c
+        elif c == "`":
+            stack.append("tpl")
+        elif c == "/" and (
+            not last or last in _REGEX_AFTER or _REGEX_WORD.search(js[max(0, i - 12) : i])
+        ):
+            klass = False
+            i += 1
+            while i < n and (js[i] != "/" or klass) and js[i] != "\n":
+                if js[i] == "\\":
+                    i += 1
+                elif js[i] in "[]":
+                    klass = js[i] == "["
+                i += 1
+            last = "/"
+        elif c == "{":
+            depths[-1] += 1
+            last = c
+        elif c == "}" and depths[-1] == 0 and len(stack) > 1:
+            stack.pop()  # the end of a ${...}: back in its template
+            depths.pop()
+        elif not c.isspace():
+            depths[-1] -= c == "}"
+            last = c
+        i += 1
+    if stack != ["code"]:  # the scanner lost its place: serve nothing it might have cut
+        raise ValueError(f"a template literal of the script does not end (line {line + 1})")
+    return kept, comments
 
 
 def lean_script(js: str) -> str:
-    """Return the script with each line that is only a // comment left empty: the comments
-    are for whoever reads web/, and the phone gets the page a sixth smaller gzipped. Lines
-    stay where they were, so an error's line in the page is a line of the sources' order.
-    (The web/ scripts hold no template literal across lines, where a // line would be text;
-    node --check and the no-undef lint run on the result.)"""
-    return "\n".join("" if line.lstrip().startswith("//") else line for line in js.split("\n"))
+    """Return the script as the page serves it: without comments and without indentation
+    (the comments are for whoever reads web/; the page is a third smaller gzipped). Lines
+    stay where they were (a comment's lines are left empty), so an error's line in the page
+    is a line of the sources' order; a line that begins or ends inside a string or a
+    template literal keeps its spaces. node --check and the no-undef lint run on the
+    result."""
+    kept, comments = scan_script(js)
+    parts, at = [], 0
+    for start, end in comments:  # a block comment on one line becomes a space
+        block = js.startswith("/*", start)
+        parts += [js[at:start], "\n" * js.count("\n", start, end) or " " * block]
+        at = end
+    lines = "".join([*parts, js[at:]]).split("\n")
+    return "\n".join(
+        line if i in kept else line.lstrip() if i + 1 in kept else line.strip()
+        for i, line in enumerate(lines)
+    )
+
+
+def lean_css(css: str) -> str:
+    """Return a style sheet as the page serves it: without comments and indentation, each
+    line where it was (a comment's lines are left empty)."""
+    css = re.sub(r"/\*.*?\*/", lambda m: "\n" * m.group().count("\n"), css, flags=re.S)
+    return "\n".join(line.strip() for line in css.split("\n"))
 
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# transfer.js, offline.js, and last main.js, where the page starts (the files before it
-# only define).
+# people.js, transfer.js, offline.js, capture.js, and last main.js, where the page starts (the
+# files before it only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -82,12 +195,15 @@ WEB_JS = "".join(
         WEB_JS_REST,
         WEB_GRANTS_JS,
         WEB_DEVICES_JS,
+        WEB_PEOPLE_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
+        WEB_CAPTURE_JS,
         WEB_MAIN_JS,
     )
 )
-WEB_JS = lean_script(WEB_JS)  # as served: without the comment lines
+WEB_JS = lean_script(WEB_JS)  # as served: without the comment lines and indentation
+WEB_CSS = lean_css(WEB_CSS)  # as served: without comments and indentation
 
 WEB_PAGE = web_source("app.html")
 
@@ -96,9 +212,14 @@ def _csp_hash(text: str) -> str:
     return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
 
 
+RECORD_JS = lean_script(RECORD_JS)
+RECORD_SRI = "sha384-" + base64.b64encode(hashlib.sha384(RECORD_JS.encode()).digest()).decode()
+
+# 'strict-dynamic': the page's own script (its hash) may add record.js (checked by its
+# integrity); nothing in the markup runs, and no other script is named.
 WEB_CSP = (
     "default-src 'none'; "
-    f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
+    f"script-src {_csp_hash(WEB_JS)} 'strict-dynamic'; style-src {_csp_hash(WEB_CSS)}; "
     "connect-src 'self'; img-src 'self' data: blob:; media-src blob:; manifest-src 'self'; "
     "worker-src 'self'; base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
@@ -206,6 +327,8 @@ WEB_ASSETS: dict = {
     "/apple-touch-icon.png": ("image/png", lambda: web_icon_png(180)),
     # the service worker: a worker cannot be inline; its policy lets it fetch this origin
     "/sw.js": ("text/javascript; charset=utf-8", lambda: SW_JS.encode("utf-8")),
+    # Record's code, loaded by the page on first use (WEB_CSP, RECORD_SRI)
+    "/record.js": ("text/javascript; charset=utf-8", lambda: RECORD_JS.encode("utf-8")),
 }
 
 
@@ -213,9 +336,10 @@ def web_asset_headers(path: str) -> dict:
     """Return the headers of a public asset: cacheable, typed, and inert if opened alone
     (the service worker: checked for a new version at every start, allowed to fetch)."""
     worker = path == "/sw.js"
+    fresh = worker or path == "/record.js"  # checked again at each use: a new version's own
     return {
         "Content-Type": WEB_ASSETS[path][0],
-        "Cache-Control": "no-cache" if worker else "public, max-age=86400",
+        "Cache-Control": "no-cache" if fresh else "public, max-age=86400",
         "Content-Security-Policy": "default-src 'none'; connect-src 'self'"
         if worker
         else "default-src 'none'",
@@ -225,7 +349,8 @@ def web_asset_headers(path: str) -> dict:
 
 def web_client_page() -> str:
     """Return the page: the same bytes on a server and on a relay."""
-    return WEB_PAGE.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
+    page = WEB_PAGE.replace("{record_sri}", RECORD_SRI)
+    return page.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
 
 
 def web_client_headers() -> dict:
@@ -296,6 +421,26 @@ def share_page_headers() -> dict:
     }
 
 
+CLIP_JS = web_source("clip.js")
+
+CLIP_PAGE = web_source("clip.html")
+
+
+def clip_page() -> str:
+    """Return the bookmarklet's page (/clip): it keeps its own key, takes the page the
+    bookmarklet hands it by postMessage, and sends the clip."""
+    return CLIP_PAGE.replace("{css}", PAGE_CSS).replace("{js}", CLIP_JS)
+
+
+def clip_page_headers() -> dict:
+    return {
+        "Content-Security-Policy": _page_csp(CLIP_JS),
+        "Referrer-Policy": "no-referrer",
+        "X-Robots-Tag": "noindex, nofollow",
+        "Cache-Control": "no-store",
+    }
+
+
 def shared_origin_page(page: str) -> str:
     """Return a page marked for a relay's shared origin (a relay without a domain): its
     script then keeps nothing in browser storage, since every server's page shares it."""
@@ -323,6 +468,7 @@ _PAGES = {
     "client": web_client_page,
     "consent": consent_page,
     "share": share_page,
+    "clip": clip_page,
     "landing": lambda: RELAY_LANDING_HTML,
 }
 

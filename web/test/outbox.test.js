@@ -7,6 +7,7 @@ const {
   queueCreate,
   queueCapture,
   queueUpload,
+  queueVoice,
   relink,
   pendingFile,
   uploadBytes,
@@ -133,4 +134,20 @@ test("a file put into a note offline goes before the edit that links it", () => 
     q.map((i) => [i.kind, i.base, i.content]),
     [["save", '"v2"', "typed\n![shelf.png](../attachments/1-shelf-2.png)\nmore"]],
   );
+});
+
+test("a recording made offline waits with the key it may have been sent with, and counts", () => {
+  const id = ids();
+  const file = {size: 5000};
+  let q = queueVoice([], file, "sent-once", 1700000000000, id);
+  q = queueVoice(q, {size: 100}, "", 1700000001000, id);
+  assert.deepEqual(
+    q.map((i) => [i.kind, i.key, i.at]),
+    [
+      ["voice", "sent-once", 1700000000000],
+      ["voice", "k3", 1700000001000],
+    ],
+  );
+  assert.equal(uploadBytes(q), 5100);
+  assert.equal(nextItem(q).file, file);
 });

@@ -631,7 +631,8 @@ def _receive_import_form(svc: Service, parsed: Any, spool: Any, fields: dict) ->
 def get_export(svc: Service):
     """GET /export.zip: the notes, attachments and other files the key sees, streamed."""
     principal = request_principal()
-    if bottle.request.environ.get("notesvc.relayed"):  # the relay carries bounded answers
+    env = bottle.request.environ
+    if env.get("notesvc.relayed") and not env.get("notesvc.spliced"):  # bounded by the relay
         total = sum(st.st_size for _, _, st in export_files(svc.config.root, principal))
         if total > svc.config.max_body_bytes:
             raise too_large_for_relay(total, svc.config.max_body_bytes)

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from notesvc.boot import bottle
 from notesvc.errors import ApiError, bad_request, not_found
-from notesvc.grants import clean_name, made_by, request_principal, visible_folders
+from notesvc.grants import clean_name, inside, made_by, request_principal, visible_folders
 from notesvc.helpers import field, read_json
 from notesvc.http.access import new_pairing
 from notesvc.notes.paths import NOTES, folder_path
@@ -88,10 +88,26 @@ def _shared_folder(svc: Service, raw: str) -> str:
 
 
 def get_members(svc: Service, path: str) -> dict:
+    """GET /folders/:path/members: the folder's members (its own, then the inherited ones)
+    and, for a principal who may share it, `candidates`: the people it may be shared with
+    (everyone but the one sharing and the person whose home holds it), so a person's Share
+    dialog can name them without the owner's list of people."""
     folder = _shared_folder(svc, path)
     if not svc.notes.on_disk(folder).is_dir():  # (moved away, or never made)
         raise not_found(f"no folder at {folder}")
-    return {"path": folder, "members": svc.people.members(folder)}
+    answer = {"path": folder, "members": svc.people.members(folder)}
+    who = request_principal()
+    data = svc.state.read()
+    homes = {p["id"]: p["home"] for p in svc.people.people(data)}
+    may_share = who.allows("write") and (who.whole or who.may_write(folder))
+    if may_share and (not who.person or inside(folder, homes.get(who.person, NOTES + "/"))):
+        holder = next((pid for pid, home in homes.items() if inside(folder, home)), None)
+        answer["candidates"] = [
+            {"id": p["id"], "name": p["name"]}
+            for p in sorted(svc.people.people(data), key=lambda p: p["name"].casefold())
+            if p["id"] not in (who.person, holder)
+        ]
+    return answer
 
 
 def put_members(svc: Service, path: str) -> dict:
@@ -109,6 +125,17 @@ def put_members(svc: Service, path: str) -> dict:
 
 
 def list_shared_with_me(svc: Service) -> dict:
-    """GET /shared: the folders shared with the person asking (none for the owner)."""
-    person = request_principal().person
-    return {"folders": svc.people.shared_with(person) if person else []}
+    """GET /shared: the folders shared with the person asking (none for the owner), and
+    `shares`: the shared folders that are the asker's own, with their members (a person's:
+    those in their home, whoever shared them; the owner's: every shared folder), so a list
+    can mark what is shared and with whom."""
+    who = request_principal()
+    data = svc.state.read()
+    me = svc.people.get(who.person, data) if who.person else None
+    shares = []
+    for folder in sorted(data.get("members", {})):
+        mine = inside(folder, me["home"]) if me else who.whole and who.allows("write")
+        if mine and who.sees(folder):
+            shares.append({"path": folder, "members": svc.people.members(folder)})
+    folders = svc.people.shared_with(who.person) if who.person else []
+    return {"folders": folders, "shares": shares}

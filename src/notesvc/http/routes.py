@@ -74,6 +74,7 @@ from notesvc.http.api import (
     verify_key,
 )
 from notesvc.http.caldav import get_task
+from notesvc.http.capture import get_capture, get_clip_page, post_clip, post_voice
 from notesvc.http.feed import create_feed, delete_feed, get_feed, list_feeds
 from notesvc.http.integrations import (
     TELEGRAM_TOKEN_RE,
@@ -118,6 +119,7 @@ from notesvc.notes.paths import (
     ATTACHMENT_FOLDER_SCHEMA,
     ATTACHMENT_PATH_PARAM,
     ATTACHMENT_PATH_SCHEMA,
+    FOLDER_NAME_SCHEMA,
     FOLDER_PATH_PARAM,
     FOLDER_PATH_SCHEMA,
     MAX_PATH_CHARS,
@@ -130,6 +132,7 @@ from notesvc.providers.channels import MAX_CONFIG_CHARS, ChannelProvider, Config
 from notesvc.search.text import MAX_QUERY_CHARS
 from notesvc.service import Service
 from notesvc.web import WEB_ASSETS, web_asset_headers
+from notesvc.webclip import MAX_CLIP_HTML_BYTES, MAX_CLIP_IMAGES
 
 # -- route table --------------------------------------------------------------------
 
@@ -168,6 +171,16 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 _STR = {"type": "string"}
 _NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
+_HOME = {  # a folder below notes/, never notes/ itself
+    **_FOLDER_PATH,
+    "minLength": 7,
+    "pattern": _FOLDER_PATH["pattern"].replace(")*/?$", ")+/?$"),
+    "examples": ["notes/Ann"],
+}
+_SUBFOLDER_PARAM = {
+    **FOLDER_PATH_PARAM,
+    "pattern": FOLDER_PATH_PARAM["pattern"].replace(")*/?$", ")+/?$"),
+}
 _VERSION_ID = {
     "type": "string",
     "pattern": json_pattern(VERSION_ID_RE),
@@ -1098,8 +1111,8 @@ ROUTES = (
         "device, shown once",
         body=_obj(
             ["name"],
-            name={**_STR, "minLength": 1, "maxLength": 64, "pattern": NOT_BLANK_PATTERN},
-            home=_FOLDER_PATH,
+            name=FOLDER_NAME_SCHEMA,
+            home=_HOME,
         ),
         status=201,
         tag="people",
@@ -1119,7 +1132,7 @@ ROUTES = (
         "/people/<person_id>",
         rename_person,
         summary="Rename a person (their home keeps its name)",
-        body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 64}),
+        body=_obj(["name"], name=FOLDER_NAME_SCHEMA),
         tag="people",
         scope="admin",
     ),
@@ -1154,7 +1167,7 @@ ROUTES = (
         get_members,
         summary="Who a folder is shared with: its own members, then those of the folders "
         "above it (inherited)",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": _SUBFOLDER_PARAM},
         tag="people",
         scope="read",
     ),
@@ -1164,7 +1177,7 @@ ROUTES = (
         put_members,
         summary="Share a folder: replace its members (the owner any folder, a person one of "
         "their home)",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": _SUBFOLDER_PARAM},
         body=_obj(
             ["members"],
             members={
@@ -1184,6 +1197,70 @@ ROUTES = (
         tag="people",
         scope="read",
     ),
+    Route(
+        "POST",
+        "/capture/clip",
+        post_clip,
+        summary="Clip a web page as the browser rendered it: Markdown, its images attached; "
+        "the same URL again updates its note (`updated`) unless `new`",
+        body={
+            **_obj(
+                ["url"],
+                url={
+                    **_STR,
+                    "minLength": 1,
+                    "maxLength": 4096,
+                    "pattern": "^[Hh][Tt][Tt][Pp][Ss]?://[^/?#]",
+                },
+                title={**_STR, "maxLength": 1000},
+                html={**_STR, "maxLength": MAX_CLIP_HTML_BYTES},
+                selection={**_STR, "maxLength": MAX_CLIP_HTML_BYTES},
+                images={
+                    "type": "array",
+                    "maxItems": MAX_CLIP_IMAGES,
+                    "items": _obj(
+                        ["src"],
+                        src={**_STR, "maxLength": 8192},
+                        data={**_STR, "description": "the image's bytes, base64"},
+                        type=_STR,
+                        path={**ATTACHMENT_PATH_SCHEMA, "description": "an image uploaded first"},
+                    ),
+                },
+                folder=_FOLDER_PATH,
+                new={"type": "boolean"},
+            ),
+            "additionalProperties": False,
+            "anyOf": [{"required": ["html"]}, {"required": ["selection"]}],
+        },
+        status=201,
+        tag="capture",
+        scope="write",
+        idempotent=True,
+    ),
+    Route(
+        "POST",
+        "/capture/voice",
+        post_voice,
+        summary="A voice note: the recording's bytes kept as an attachment, a note with it and "
+        "its transcript (SERVICE_TRANSCRIBE_URL)",
+        body={"type": "string", "format": "binary"},
+        body_media="audio/webm",
+        params={"folder": FOLDER_PATH_SCHEMA},
+        status=201,
+        tag="capture",
+        scope="write",
+        idempotent=True,
+    ),
+    Route(
+        "GET",
+        "/capture",
+        get_capture,
+        summary="What Record needs (transcription on, an HTTPS address) and how far the reader "
+        "of PDFs and images got",
+        tag="capture",
+        scope="read",
+    ),
+    Route("GET", "/clip", get_clip_page, public=True, api=False, tag="pages", media="text/html"),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
     Route(

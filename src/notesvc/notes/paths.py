@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from notesvc.errors import bad_request
+from notesvc.helpers import BLANK_CLASS
 
 NOTES = "notes"
 MAX_PATH_CHARS = 512
@@ -136,6 +137,17 @@ def _segment(tail: int, in_url: bool = False) -> str:
         f"(?:{ascii_first}{ascii_ch}{{0,{254 - tail}}}"
         f"|{any_first}{any_ch}{{0,{62 - (tail + 3) // 4}}})"
     )
+
+
+# One folder name (a person's name is their home's): not blank, not hidden, at most 64
+# characters and 255 UTF-8 bytes, none of what no segment holds.
+FOLDER_NAME_SCHEMA = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 64,
+    "pattern": f"^(?:{_ASCII_FIRST.replace('[ ', '[', 1)}{_ASCII_CH}{{0,63}}"
+    f"|[^.{BLANK_CLASS}{_SEG_NOT}]{_ANY_CH}{{0,62}})$",
+}
 
 
 NOTE_PATH_SCHEMA = {

@@ -1192,6 +1192,7 @@ class AttachmentStore(FileTree):
         self.trash = trash
         self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
+        self.listeners: list = []  # fn(path) after a file is placed (the attachment reader)
         self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()  # NoteStore's
 
     def make_root(self) -> None:
@@ -1338,7 +1339,10 @@ class AttachmentStore(FileTree):
                 fsync_dir(target.parent)
                 if target.parent != self.root:
                     fsync_dir(self.root)
-                return self.record(path, os.stat(target)), not exists
+                rec = self.record(path, os.stat(target))
+            for listener in self.listeners:
+                listener(path)
+            return rec, not exists
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)

@@ -65,12 +65,46 @@ def find_notes(
     if mode and mode not in MODES:
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
+    reader = getattr(svc, "reader", None)
+    in_files = []
+    if reader is not None and mode != "semantic":
+        in_files = reader.find(query, folder, snippets=offset + limit)
+    if in_files and query.excludes:  # a note whose own words the query excludes stays out
+        out = svc.index.excluded(query.excludes, [n for n, _, _ in in_files])
+        in_files = [hit for hit in in_files if hit[0] not in out]
+    page = (offset + limit, 0) if in_files else (limit, offset)
     if mode != "keyword" and embedder is not None and not _lexical_only(query):
         vector = embedder.query_vector(_embedding_text(query))
         if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector, reach)
-    total, hits = svc.index.search(query, folder, limit, offset, reach=reach)
-    return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
+            found = _by_meaning(svc, query, folder, page, mode, vector, reach)
+            return _with_files(svc, found, in_files, limit, offset)
+    total, hits = svc.index.search(query, folder, *page, reach=reach)
+    found = {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
+    return _with_files(svc, found, in_files, limit, offset)
+
+
+def _with_files(svc: Service, found: dict, in_files: list, limit: int, offset: int) -> dict:
+    """Return the answer with the notes found through the text of files they link: a note
+    found by its own words too keeps its own snippet and adds the file's score; one found
+    only in a file gets the file's snippet (`scan.pdf, p. 3: ...`). `found` holds the first
+    offset + limit results when in_files has any (the page is cut here)."""
+    if not in_files:
+        return found
+    results = {p: [t, s, sn] for p, t, s, sn in found["results"]}
+    fresh = [n for n, _, _ in in_files if n not in results]
+    titles = svc.index.titles(fresh)
+    for note, score, snippet in in_files:
+        if note in results:
+            results[note][1] = round(results[note][1] + score, 4)
+        elif note in titles:  # (a note the index does not hold is not answered)
+            results[note] = [titles[note], score, snippet]
+    ranked = sorted(results.items(), key=lambda kv: -kv[1][1])[offset : offset + limit]
+    added = sum(1 for n in fresh if n in titles)
+    return {
+        **found,
+        "total": found["total"] + added,
+        "results": [(p, t, s, sn) for p, (t, s, sn) in ranked],
+    }
 
 
 def _by_meaning(

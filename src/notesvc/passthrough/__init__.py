@@ -1,0 +1,1 @@
+"""notesvc.passthrough: see the modules beside this file."""
