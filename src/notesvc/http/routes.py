@@ -86,6 +86,7 @@ from notesvc.http.integrations import (
     get_export,
     get_plugin,
     get_web_client,
+    link_channel,
     list_channel_providers,
     list_channels,
     list_plugins,
@@ -98,6 +99,7 @@ from notesvc.http.integrations import (
     security_recommendations,
     toggle_channel,
     toggle_plugin,
+    unlink_channel,
     verify_webhook,
 )
 from notesvc.http.mcp import mcp_endpoint
@@ -643,9 +645,11 @@ ROUTES = (
         "GET",
         "/channels",
         list_channels,
-        summary="Channels (secrets redacted)",
+        summary="Channels (secrets redacted); a person's: those a chat of theirs may join, "
+        "with their own chats only",
         tag="channels",
         scope="admin",
+        people=True,
     ),
     Route(
         "POST",
@@ -699,6 +703,25 @@ ROUTES = (
         tag="channels",
         scope="admin",
         secret=True,
+    ),
+    Route(
+        "POST",
+        "/channels/<channel_id>/link",
+        link_channel,
+        summary="A person's one-time code (10 minutes): the chat that sends it to the bot "
+        "becomes theirs (their reach, their places)",
+        status=201,
+        tag="channels",
+        scope="write",
+        secret=True,
+    ),
+    Route(
+        "DELETE",
+        "/channels/<channel_id>/link",
+        unlink_channel,
+        summary="A person's chats leave the channel (and their code that waits ends)",
+        tag="channels",
+        scope="write",
     ),
     Route(
         "DELETE",
