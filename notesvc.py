@@ -99,7 +99,8 @@ data flows, each with the first line of its docstring:
                           (docs/api.md: People).
   http/capture.py         Handlers for capture: clips (/capture/clip, the /clip page), voice notes,
                           file text.
-  http/routes.py          The route table and OpenAPI.
+  http/openapi.py         The OpenAPI 3.1 document of the route table (GET /api/v1/openapi.json).
+  http/routes.py          The route table (its OpenAPI document: http/openapi.py).
   http/app.py             NotesApp (the middleware) and create_app.
   cli.py                  The command line: parser, cmd_* functions, main().
 """
@@ -4472,23 +4473,40 @@ def _change_of(line: bytes, after: int) -> tuple | None:
         return None
     origin = d.get("from") if d["kind"] == "moved" else d.get("conflictOf")
     by = d.get("by") if isinstance(d.get("by"), str) else None
-    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""), by)
+    person = d.get("person")
+    if not (
+        isinstance(person, dict)
+        and isinstance(person.get("id"), str)
+        and isinstance(person.get("name"), str)
+    ):
+        person = None
+    else:
+        person = {"id": person["id"], "name": person["name"]}
+    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""), by, person)
 
 
 def change_record(entry: tuple, stored: bool = False) -> dict:
-    """Return a journal entry (seq, kind, path, origin, etag, at, by) as the feed gives it:
-    the origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps
-    an edit of). `stored`: as the journal's file keeps it, with `by` (who created a note, as
-    history's savedBy: the note's history shows it, the feed does not)."""
-    seq, kind, path, origin, etag, at, by = entry
+    """Return a journal entry (seq, kind, path, origin, etag, at, by, person) as the feed
+    gives it: the origin is a move's `from`, a created conflict copy's `conflictOf` (the
+    note it keeps an edit of); a person's change names them (`person: {id, name}`) and the
+    device (`savedBy`, as history's). `stored`: as the journal's file keeps it, with `by`
+    (who created a note, as history's savedBy: the note's history shows it, the feed
+    shows it for a person's changes only)."""
+    seq, kind, path, origin, etag, at, by, person = entry
     rec = {"seq": seq, "kind": kind, "path": path}
     if origin is not None:
         rec["from" if kind == "moved" else "conflictOf"] = origin
     if etag is not None:
         rec["etag"] = etag
     rec["at"] = at
-    if stored and by is not None:
-        rec["by"] = by
+    if stored:
+        if by is not None:
+            rec["by"] = by
+        if person is not None:
+            rec["person"] = person
+    elif person is not None:
+        rec["person"] = dict(person)
+        rec["savedBy"] = by
     return rec
 
 
@@ -4524,6 +4542,10 @@ class ChangeJournal:
         self._compact_at = 0  # after a failed compaction: when to try again
         self._waiting: collections.Counter = collections.Counter()
         self._closed = False
+        self._nudges = 0  # bumped when who sees what changed: waiting feeds look again
+        # a folder -> the numbers of the changes below it (a move's at both ends), oldest
+        # first: a feed that sees part of the notes finds its own without looking at others'
+        self._under: dict = {}
 
     def open(self) -> ChangeJournal:
         """Read the journal, creating it when missing; a torn last line is dropped."""
@@ -4555,6 +4577,7 @@ class ChangeJournal:
                 return self
             self.floor, self.last = floor, after if entries else floor
             self._entries, self._seqs = entries, [e[0] for e in entries]
+            self._reindex()
             with self._file() as fd:
                 os.ftruncate(fd, end)  # a torn line and the old allowance go
             self._open, self._end, self._allocated = True, end, end
@@ -4578,6 +4601,26 @@ class ChangeJournal:
         self._open, self._end, self._allocated = True, len(content), len(content) + room
         self.floor, self.last = floor, max(floor, entries[-1][0] if entries else floor)
         self._entries, self._seqs = list(entries), [e[0] for e in entries]
+        self._reindex()
+
+    def _reindex(self) -> None:
+        """Index the entries held by the folders they are under (open, compaction)."""
+        self._under = {}
+        for e in self._entries:
+            self._file_under(e)
+
+    def _file_under(self, entry: tuple) -> None:
+        """Add an entry's number to the folders above its path (and a move's origin)."""
+        seq, under = entry[0], self._under
+        for path in (entry[2], entry[3]) if entry[1] == "moved" else (entry[2],):
+            at = path.find("/") if path else -1
+            while at > 0:
+                seqs = under.get(path[:at])
+                if seqs is None:
+                    under[path[:at]] = [seq]
+                elif seqs[-1] != seq:  # (a move within one folder: once)
+                    seqs.append(seq)
+                at = path.find("/", at + 1)
 
     @contextlib.contextmanager
     def _file(self):
@@ -4621,14 +4664,16 @@ class ChangeJournal:
         origin: str | None = None,
         reserved: bool = True,
         by: str | None = None,
+        person: dict | None = None,
     ) -> int:
         """Record a change that was made, wake the waiting feeds; return its number. `by`:
-        who made a note (a `created` entry's), as history's savedBy."""
+        who made it, as history's savedBy (kept for a `created` entry, and for a person's
+        changes); `person`: {id, name} of the person who made it."""
         with self._cond:
             if reserved:
                 self._promised = max(0, self._promised - 1)
             seq = self.last + 1
-            entry = (seq, kind, path, origin, etag, iso(self.clock()), by)
+            entry = (seq, kind, path, origin, etag, iso(self.clock()), by, person)
             if self._open:
                 line = to_json(change_record(entry, stored=True)) + b"\n"
                 try:
@@ -4645,6 +4690,7 @@ class ChangeJournal:
             self.last = seq
             self._seqs.append(seq)
             self._entries.append(entry)
+            self._file_under(entry)
             if len(self._entries) > max(2 * self.keep, self._compact_at):
                 self._compact()
             self._cond.notify_all()
@@ -4658,6 +4704,7 @@ class ChangeJournal:
             except OSError as e:
                 log.warning("changes.log: could not reset it (%s)", e)
                 self.floor, self._entries, self._seqs = self.last, [], []
+                self._under = {}
             self._cond.notify_all()
 
     def read(self, since: int, limit: int) -> dict:
@@ -4683,12 +4730,58 @@ class ChangeJournal:
             "more": more,
         }
 
+    def _newest_under(self, folders: tuple) -> int | None:
+        """Return the newest number of a change under one of `folders`, None if the
+        journal holds none (called holding the lock)."""
+        found = [seqs[-1] for seqs in map(self._under.get, folders) if seqs]
+        return max(found) if found else None
+
+    def read_seen(self, since: int, limit: int, folders: tuple, record: Callable) -> dict:
+        """Return {changes, last, more} as one who sees the notes under `folders` sees the
+        feed: record(entry, inside, was) is an entry's record to it (inside: the entry's
+        path is under them; was: a move's origin is). The numbers have gaps, and `last` is
+        the newest change it sees: its cursor never moves for a change it may not see, nor
+        tells how many there were. 410 for a cursor below the journal's floor or beyond
+        the newest change it sees. Its changes are found through the folders' index: what
+        it reads costs what it sees, not what everyone else changed."""
+        below, exact = tuple(f + "/" for f in folders), frozenset(folders)
+        with self._cond:
+            floor, newest = self.floor, self._newest_under(folders)
+            seen_last = max(floor, newest if newest is not None else floor)
+            if since < floor or since > seen_last:
+                raise gone(
+                    "this cursor is no longer answered for here; list the notes again and "
+                    f"follow from since={seen_last}"
+                )
+            found: set = set()
+            for seqs in map(self._under.get, folders):
+                if seqs:
+                    i = bisect.bisect_right(seqs, since)
+                    found.update(seqs[i : i + limit + 1])
+            numbers = sorted(found)[: limit + 1]
+            seqs, entries = self._seqs, self._entries
+            picked = [entries[bisect.bisect_left(seqs, n)] for n in numbers]
+        out = []
+        for e in picked[:limit]:
+            inside = e[2].startswith(below) or e[2] in exact
+            was = e[1] == "moved" and (e[3].startswith(below) or e[3] in exact)
+            out.append(record(e, inside, was))
+        more = len(picked) > limit
+        return {"changes": out, "last": out[-1]["seq"] if out else since, "more": more}
+
+    def seen_latest(self, folders: tuple) -> int:
+        """Return the newest change under `folders`, or the floor: where one who sees
+        them follows from."""
+        with self._cond:
+            newest = self._newest_under(folders)
+            return max(self.floor, newest if newest is not None else self.floor)
+
     def creation(self, path: str) -> tuple | None:
         """Return (at, by, the path it was made at) of the note now at path, its `created`
         entry followed back through its moves, while the journal holds it; None otherwise
         (compacted away, made unseen, or a deletion in between)."""
         with self._cond:
-            for _, kind, at_path, origin, _, at, by in reversed(self._entries):
+            for _, kind, at_path, origin, _, at, by, _ in reversed(self._entries):
                 if at_path != path:
                     continue
                 if kind == "created":
@@ -4704,15 +4797,23 @@ class ChangeJournal:
         with self._cond:
             return self.last
 
-    def wait_after(self, since: int, timeout: float, pool: str, cap: int) -> bool | None:
-        """Wait up to timeout s for a change after `since`; return whether one came, or
-        None at once when `pool` already has `cap` waiters (each holds a worker thread)."""
+    def wait_after(
+        self, since: int, timeout: float, pool: str, cap: int, nudges: int | None = None
+    ) -> bool | None:
+        """Wait up to timeout s for a change after `since` (or, given `nudges`, a nudge()
+        after that count); return whether one came, or None at once when `pool` already
+        has `cap` waiters (each holds a worker thread)."""
         with self._cond:
             if self._waiting[pool] >= cap:
                 return None
             self._waiting[pool] += 1
+
+            def woken() -> bool:
+                nudged = nudges is not None and self._nudges != nudges
+                return self.last > since or self._closed or nudged
+
             try:
-                return self._cond.wait_for(lambda: self.last > since or self._closed, timeout)
+                return self._cond.wait_for(woken, timeout)
             finally:
                 self._waiting[pool] -= 1
 
@@ -4740,10 +4841,17 @@ class ChangeJournal:
     def closed(self) -> bool:
         return self._closed
 
-    def nudge(self) -> None:
-        """Wake every follower to look at its stop() again (a stream replaced, a session
-        ended, a credential revoked)."""
+    def nudges(self) -> int:
+        """Return how many times who sees what changed (wait_after's `nudges`)."""
         with self._cond:
+            return self._nudges
+
+    def nudge(self) -> None:
+        """Wake the waiting feeds and MCP streams to look at their principal again (a share
+        ended, a key was revoked: what a feed shows is cut at once, a waiting one too) and a
+        stream at its stop() (replaced, its session ended)."""
+        with self._cond:
+            self._nudges += 1
             self._cond.notify_all()
 
     def waiting(self) -> int:
@@ -5050,6 +5158,7 @@ class NoteStore(FileTree):
         # who makes the change in progress, as its versions name it (savedBy): the Service
         # sets it to the request's grant's name; None: the owner, the server itself
         self.actor: Callable[[], str | None] = lambda: None
+        self.person: Callable[[], dict | None] = lambda: None  # {id, name}: a person's change
         # guard(path): a context around one change of path, entered under the note's lock
         # before anything changes: it raises when the request under way may no longer
         # change path (its key revoked, its person's share removed since its key was
@@ -5684,8 +5793,9 @@ class NoteStore(FileTree):
         one to miss)."""
         etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            by = self._who() if kind == "created" else None  # the note's history shows it
-            self.journal.append(kind, path, etag, origin or conflict_of, by=by)
+            person = self.person()  # the feed names a person (and the device), no one else
+            by = self._who() if kind == "created" or person else None
+            self.journal.append(kind, path, etag, origin or conflict_of, by=by, person=person)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)
@@ -12517,11 +12627,14 @@ class Reach:
     everything: bool = False
     home: str = ""  # where what it makes goes by default: a folder grant's, a person's home
 
-    @property
+    @functools.cached_property
     def tops(self) -> tuple:
-        """Return the reached folders none of the others holds: what a filter needs."""
-        names = sorted({f for f, _ in self.folders})
-        return tuple(f for f in names if not any(inside(f, o) and f != o for o in names))
+        """Return the reached folders none of the others holds: what a filter needs (once
+        per reach: a change feed asks it on every read)."""
+        names = {f for f, _ in self.folders}  # one is held when a folder above it is here
+        return tuple(
+            sorted(f for f in names if not any(f[:i] in names for i, c in enumerate(f) if c == "/"))
+        )
 
     def folder_of(self, path: str) -> str:
         """Return the notes folder a note, attachment or folder path stands for (its
@@ -12686,8 +12799,33 @@ def made_by_grant(created_by: Any) -> bool:
     return isinstance(created_by, str) and created_by not in (MADE_BY_OWNER, MADE_BY_CLI)
 
 
+_ACTING = threading.local()  # (principal, via) while a chat bound to someone is served
+
+
+@contextlib.contextmanager
+def acting_as(principal: Principal, via: str = ""):
+    """Let what runs inside act for `principal` in this thread (a chat bound to a person
+    acts as the grant that linked it): request_principal() answers it, `via` names it."""
+    before = getattr(_ACTING, "who", None)
+    _ACTING.who = (principal, via)
+    try:
+        yield principal
+    finally:
+        _ACTING.who = before
+
+
+def acting_via() -> str:
+    """Return the name of what this thread acts through (a chat's channel), "" if nothing."""
+    who = getattr(_ACTING, "who", None)
+    return who[1] if who else ""
+
+
 def request_principal() -> Principal:
-    """Return who the current request acts for (the owner outside a protected request)."""
+    """Return who the current request acts for (the owner outside a protected request;
+    inside acting_as, whom that names)."""
+    who = getattr(_ACTING, "who", None)
+    if who is not None:
+        return who[0]
     try:
         return bottle.request.environ.get("notesvc.principal", OWNER)
     except (AttributeError, RuntimeError, KeyError):
@@ -13110,6 +13248,7 @@ class GrantStore:
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
+        self.after_revoke: list = []  # () -> None after it: waiting change feeds look again
         self.registrations = RateLimit(REGISTRATIONS_PER_MINUTE)
         self.public_hits = RateLimit(60)  # shared notes and consent facts, per address
         self.share_misses = Lockout(what="unknown links")  # share and feed tokens, per address
@@ -13465,6 +13604,8 @@ class GrantStore:
         for g in gone:
             self._used.pop(g, None)
             log.info("grant %s revoked", g)
+        for hook in self.after_revoke:
+            hook()
 
     def grants_of_person(self, data: dict, person_id: str) -> list:
         """Return the ids of a person's grants and of all those they made, in `data`."""
@@ -13991,6 +14132,9 @@ class PeopleStore:
         # (data, the person's id) -> None, run inside a removal's state change: what a
         # person holds beyond grants (the chats bound to them) ends with them in one write
         self.on_remove: list = []
+        # () -> None, after a change of who reaches what (a share, a removal, a move): the
+        # change feeds waiting for someone look at their reach again
+        self.after_change: list = []
         # drain(people=...): wait for the writes people had begun (the Service's), after a
         # share that narrowed them is written
         self.drain: Callable = lambda grants=(), people=(): None
@@ -14004,6 +14148,16 @@ class PeopleStore:
         if not isinstance(person_id, str):
             return None
         return next((p for p in self.people(data) if p["id"] == person_id), None)
+
+    def home_of(self, person_id: str) -> str:
+        """Return a person's home folder ("" for the owner, or someone gone)."""
+        person = self.get(person_id) if person_id else None
+        return person["home"] if person else ""
+
+    def holder(self, path: str) -> str:
+        """Return the id of the person whose home holds a path ("": nobody's, the owner's)."""
+        person = next((p for p in self.people() if inside(path, p["home"])), None)
+        return person["id"] if person else ""
 
     def name_of(self, person_id: str, data: dict | None = None) -> str:
         person = self.get(person_id, data)
@@ -14124,8 +14278,13 @@ class PeopleStore:
 
         gone = self.state.update(change)
         self.grants.ended(gone)
+        self._changed()
         log.info("person %s removed (%d grants ended)", person_id, len(gone))
         return gone
+
+    def _changed(self) -> None:
+        for hook in self.after_change:
+            hook()
 
     # -- sharing --------------------------------------------------------------------------
 
@@ -14207,6 +14366,7 @@ class PeopleStore:
         before = {m["person"] for m in data.get("members", {}).get(folder, [])}
         self.state.update(change)
         self.drain(people=before)  # their writes begun before: done before we answer
+        self._changed()
         log.info("folder %s shared with %d people", folder, len(wanted))
         return [self._member_row(m, self.state.read()) for m in wanted]
 
@@ -14289,6 +14449,7 @@ class PeopleStore:
                 share["path"] = moved(share["path"])
 
         self.state.update(change)
+        self._changed()
         log.info("people: homes and shares follow %s to %s", old, new)
 
 
@@ -14474,6 +14635,10 @@ class Service:
             self.state, idle_days=config.device_idle_days
         )
         self.people = PeopleStore(self.state, self.grants, self.notes)  # and shared folders
+        self.notes.person = self.acting_person  # the feed names a person's changes
+        # who sees what changed: the waiting change feeds look at their principal again
+        self.grants.after_revoke.append(self.journal.nudge)
+        self.people.after_change.append(self.journal.nudge)
         # A key revoked (or a share removed) mid-request writes nothing once that answered:
         # each change is entered through writing(), and revocations drain() what it let in.
         self._gate = threading.Condition()
@@ -14508,10 +14673,14 @@ class Service:
         """Return the name of the grant the current request acts for (a device's or a
         key's, an app's; a person's as `<person> · <device>`), as versions record it; None
         for the owner or outside a request."""
-        acting = getattr(self._acting, "name", None)
+        acting = getattr(self._acting, "name", None)  # a suggestion accepted: its connector
         if acting is not None:
             return acting
-        grant_id = request_principal().grant_id
+        who, via = request_principal(), acting_via()
+        if via:  # a chat bound to a person: "<person> · <channel>"
+            person = self.people.get(who.person)
+            return f"{person['name']} · {via}" if person else None
+        grant_id = who.grant_id
         if not grant_id:
             return None
         data = self.state.read()
@@ -14521,6 +14690,12 @@ class Service:
                 person = self.people.get(g.get("person"), data)
                 return f"{person['name']} · {name}" if person else name
         return None
+
+    def acting_person(self) -> dict | None:
+        """Return {id, name} of the person the current request (or chat) acts for; None
+        for the owner."""
+        person = self.people.get(request_principal().person)
+        return {"id": person["id"], "name": person["name"]} if person else None
 
     @contextlib.contextmanager
     def writing(self, path: str):
@@ -15768,9 +15943,28 @@ EXTENSION_OF_TYPE.update({"audio/opus": "ogg", "audio/x-m4a": "m4a", "image/jpg"
 EXTENSION_OF_KIND = {"photo": "jpg", "image": "jpg", "voice": "ogg", "video_note": "mp4"}
 
 
+def daily_folder(principal: Principal) -> str:
+    """Return where whoever acts keeps daily notes: the owner's notes/daily; a person's
+    <home>/daily (a key narrowed to a folder, a folder grant's chat: <folder>/daily)."""
+    return DAILY_FOLDER if principal.whole else f"{principal.home}/daily"
+
+
+def inbox_attachments(principal: Principal) -> str:
+    """Return where captured files go: attachments/inbox; a person's attachments/<home
+    without notes/>/inbox (a folder grant's: its folder's twin)."""
+    if principal.whole:
+        return f"{ATTACHMENTS}/inbox"
+    return f"{ATTACHMENTS}{principal.home[len(NOTES) :]}/inbox"
+
+
 def capture_note(svc: Service, channel: dict, now: dt.datetime) -> tuple:
     """Return (path, heading) of the note a channel's captures go to today: the daily
-    note, or a note per day in the channel's saveTo folder."""
+    note, or a note per day in the channel's saveTo folder; a person's chat (one that acts
+    for a part of the notes), their own daily note (saveTo is the owner's)."""
+    who = request_principal()
+    if not who.whole:  # (a key narrowed to a folder shared for reading: 403)
+        path, heading = day_note(now.date(), daily_folder(who))
+        return visible_note(svc.notes, path, who, write=True), heading
     folder = channel.get("config", {}).get("saveTo") or DAILY_FOLDER
     return day_note(now.date(), folder)
 
@@ -15804,9 +15998,9 @@ def _safe_stem(media: dict) -> str:
 
 
 def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: list, caption: str):
-    """Store each file of a message as an attachment under attachments/inbox/<date>/, link
-    it from the day's note with the caption (and a voice message's transcript); return the
-    reply for the sender."""
+    """Store each file of a message as an attachment under attachments/inbox/<date>/ (a
+    person's: attachments/<home>/inbox/<date>/), link it from the day's note with the
+    caption (and a voice message's transcript); return the reply for the sender."""
     if prov.fetch is None:
         return "This channel cannot fetch files."
     now = local_now(svc)
@@ -15848,7 +16042,8 @@ def _capture_one(svc: Service, channel: dict, prov: ChannelProvider, item, note,
     if isinstance(size, int) and size > limit:
         raise UpstreamError(f"the file is over {limit} bytes (SERVICE_MAX_ATTACHMENT_BYTES)")
     stem = _safe_stem(item)
-    path = attachment_path(f"{ATTACHMENTS}/inbox/{now:%Y-%m-%d}/{now:%H%M%S}-{stem}.{ext}")
+    inbox = inbox_attachments(request_principal())
+    path = attachment_path(f"{inbox}/{now:%Y-%m-%d}/{now:%H%M%S}-{stem}.{ext}")
 
     def download(f) -> None:
         prov.fetch(svc, channel["config"], item, f.write, limit)
@@ -16482,10 +16677,27 @@ def redact_channel(channel: dict, providers: Mapping[str, ChannelProvider]) -> d
     config = {
         k: (redact(v) if k in secret_fields and v else v) for k, v in channel["config"].items()
     }
-    shown = {k: v for k, v in channel.items() if k != "refusedSenders"}  # GET /channels/:id
+    shown = {k: v for k, v in channel.items() if k not in ("refusedSenders", "linkedChats")}
     if "binding" in shown:  # its code is never shown again: only until when it lives
         shown["binding"] = {"until": shown["binding"].get("until")}
+    if "links" in shown:  # people's codes that wait: whose, until when
+        shown["links"] = [{"person": x["person"], "until": x["until"]} for x in shown["links"]]
     return {**shown, "secret": redact(channel["secret"]), "config": config}
+
+
+def channel_chats(channel: dict, providers: Mapping[str, ChannelProvider]) -> list:
+    """Return whose each allowed chat of a channel is: [{chat, person}] (person null: the
+    owner's; a person's chat also has the name it was linked with)."""
+    provider = providers.get(channel["provider"])
+    if provider is None or not provider.allow:
+        return []
+    people = {c["chat"]: c for c in channel.get("linkedChats", [])}
+    return [
+        {"chat": chat, "person": people[chat]["person"], "name": people[chat]["name"]}
+        if chat in people
+        else {"chat": chat, "person": None}
+        for chat in channel["config"].get(provider.allow) or []
+    ]
 
 
 # -- the channel pipeline: secret, lockout, parse, allowlist, command or agent, delivery --
@@ -16619,6 +16831,11 @@ def note_chat_makers(channel: dict, prov: ChannelProvider | None, before: list, 
         channel["chatMakers"] = makers
     else:
         channel.pop("chatMakers", None)
+    linked = [c for c in channel.get("linkedChats", []) if c["chat"] in now]
+    if linked:  # a person's chat taken off the allowlist is no longer theirs
+        channel["linkedChats"] = linked
+    else:
+        channel.pop("linkedChats", None)
 
 
 def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
@@ -16634,6 +16851,11 @@ def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
             waiting = binding is not None and binding.get("createdBy") in gone
             if prov is None or not prov.allow:
                 continue
+            links = [x for x in channel.get("links", []) if x.get("createdBy") not in gone]
+            if len(links) < len(channel.get("links", [])):  # people's codes they asked for
+                channel["links"] = links
+                if not links:
+                    del channel["links"]
             makers = channel.get("chatMakers") or {}
             dropped = [c for c, m in makers.items() if m in gone]
             if not dropped and not waiting:
@@ -16644,6 +16866,11 @@ def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
             note_chat_makers(channel, prov, kept, MADE_BY_OWNER)
             if (channel.get("boundChat") or {}).get("id") in dropped:
                 channel.pop("boundChat")
+            linked = [c for c in channel.get("linkedChats", []) if c["chat"] not in dropped]
+            if len(linked) < len(channel.get("linkedChats", [])):
+                channel["linkedChats"] = linked
+                if not linked:
+                    del channel["linkedChats"]
             if waiting:
                 channel.pop("binding")
             if (allowed or waiting) and not kept:  # nobody now, never anybody
@@ -16688,14 +16915,151 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
     bound = {"id": printable(sender), "name": printable(name or ""), "at": iso(utcnow())}
 
     def apply(channels: list, i: int) -> None:
-        maker = (channels[i].pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
-        channels[i]["config"][prov.allow] = [bound["id"]]
-        channels[i].pop("chatMakers", None)
-        note_chat_makers(channels[i], prov, [], maker)
-        channels[i]["boundChat"] = bound
+        ch = channels[i]
+        maker = (ch.pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
+        # the owner's chats are replaced; the people's stay theirs (this one becomes the owner's)
+        linked = [c for c in ch.get("linkedChats", []) if c["chat"] != bound["id"]]
+        kept = [c for c in ch["config"].get(prov.allow) or [] if c in {x["chat"] for x in linked}]
+        makers = {c: m for c, m in (ch.get("chatMakers") or {}).items() if c in kept}
+        ch["config"][prov.allow] = [bound["id"], *kept]
+        ch["chatMakers"] = makers
+        note_chat_makers(ch, prov, kept, maker)
+        linked = [c for c in linked if c["chat"] in kept]
+        if linked:
+            ch["linkedChats"] = linked
+        else:
+            ch.pop("linkedChats", None)
+        ch["boundChat"] = bound
 
     change_channel(svc, channel["id"], apply)
     log.info("channel %s: bound to chat %s", channel["id"], bound["id"])
+
+
+# -- a person's chats: linked by a code the person asked for, acting as that person -------
+#
+# A channel's `links` are the codes keys asked for (POST /channels/:id/link: one each
+# waiting, ten minutes, once); the chat that sends one joins the allowlist as the chat of
+# that key's person (`linkedChats: [{chat, person, name, at}]`; person null: the owner's),
+# and in `chatMakers` the grant that asked, so the chat ends with that grant. What such a
+# chat sends acts as that grant: a person's reach and places; every other allowed chat is
+# the owner's.
+
+LINKED_TEXT = (
+    "Connected to {name}'s notes: what you send here goes to {home}. /save <text> keeps it "
+    "in today's note; /help lists the rest."
+)
+
+
+def new_link(principal: Principal) -> tuple:
+    """Return (a code a chat sends the bot, the record kept of it: its hash, until when,
+    whose (a person's id, or None: the owner's), which grant asked)."""
+    code, binding = new_binding(made_by(principal))
+    return code, {**binding, "person": principal.person or None}
+
+
+def live_links(channel: dict) -> list:
+    return [x for x in channel.get("links", []) if epoch_of(x.get("until")) > time.time()]
+
+
+def link_of(channel: dict, text: str) -> dict | None:
+    """Return the person's link whose live code a message is (as binds() reads it)."""
+    return next((x for x in live_links(channel) if binds(x, text)), None)
+
+
+def link_chat(svc: Service, channel: dict, prov: ChannelProvider, sender, name, link) -> dict:
+    """Make the chat that sent a person's code theirs: on the allowlist beside the others,
+    linked to the person and ended with the grant that asked (the code is used up)."""
+    chat = {"chat": printable(sender), "person": link["person"], "name": printable(name or "")}
+    chat["at"] = iso(utcnow())
+
+    def apply(channels: list, i: int) -> dict:
+        ch = channels[i]
+        ch["links"] = [x for x in live_links(ch) if x["codeHash"] != link["codeHash"]]
+        if not ch["links"]:
+            del ch["links"]
+        allowed = list(ch["config"].get(prov.allow) or [])
+        ch["config"][prov.allow] = allowed + [chat["chat"]] * (chat["chat"] not in allowed)
+        makers = {**(ch.get("chatMakers") or {}), chat["chat"]: link["createdBy"]}
+        ch["chatMakers"] = {c: m for c, m in makers.items() if made_by_grant(m)}
+        others = [c for c in ch.get("linkedChats", []) if c["chat"] != chat["chat"]]
+        ch["linkedChats"] = [*others, chat]
+        return ch
+
+    changed = change_channel(svc, channel["id"], apply)
+    log.info("channel %s: chat %s linked to %s", channel["id"], chat["chat"], link["person"])
+    return changed
+
+
+def unlink_chats(channel: dict, prov: ChannelProvider, person: str | None) -> list:
+    """Take a person's chats off a channel (None: those the owner's keys linked), and their
+    codes that wait; return the chats. A channel left with no allowed chat is closed,
+    never opened to anyone."""
+    mine = [c["chat"] for c in channel.get("linkedChats", []) if c["person"] == person]
+    waiting = any(x["person"] == person for x in channel.get("links", []))
+    if waiting:
+        channel["links"] = [x for x in channel["links"] if x["person"] != person]
+        if not channel["links"]:
+            del channel["links"]
+    if not mine:
+        return []
+    allowed = channel["config"].get(prov.allow) or []
+    kept = [c for c in allowed if c not in mine]
+    channel["config"][prov.allow] = kept
+    makers = {c: m for c, m in (channel.get("chatMakers") or {}).items() if c not in mine}
+    channel["chatMakers"] = makers
+    if not makers:
+        del channel["chatMakers"]
+    channel["linkedChats"] = [c for c in channel["linkedChats"] if c["person"] != person]
+    if not channel["linkedChats"]:
+        del channel["linkedChats"]
+    if allowed and not kept:  # nobody now, never anybody
+        channel["binding"] = {"until": iso(time.time())}
+    return mine
+
+
+def unlink_person(providers: Mapping[str, ChannelProvider]) -> Callable:
+    """Return the PeopleStore.on_remove hook: a person removed, their chats go with them
+    (in the removal's own state change)."""
+
+    def unlink(data: dict, person: str) -> None:
+        for channel in data.get("channels", []):
+            prov = providers.get(channel["provider"])
+            if prov is not None and prov.allow:
+                for chat in unlink_chats(channel, prov, person):
+                    log.info("channel %s: chat %s unlinked (its person left)", channel["id"], chat)
+
+    return unlink
+
+
+def chat_principal(svc: Service, channel: dict, sender: str) -> tuple:
+    """Return (whether a chat acts for a key, the principal it acts for): the grant that
+    linked it, as it is now (a person's reach as shared now); (False, None) for the
+    owner's chats (linked by the owner's own key too); (True, None) for a chat whose grant
+    ended just now (it acts for nobody)."""
+    linked = any(c["chat"] == sender for c in channel.get("linkedChats", []))
+    maker = (channel.get("chatMakers") or {}).get(sender)
+    if not linked or maker is None:
+        return False, None
+    found = svc.grants.principal_by_id(maker)
+    who = found if found is None or not found.grant_id else svc.grants.current(found.grant_id)
+    if who is None or not (who.whole or who.reach.folders):
+        return True, None
+    return True, who
+
+
+def person_channel(channel: dict, person: str | None) -> dict:
+    """Return a channel as a person sees it: what it is, whether a chat of theirs can join
+    it, and their own chats only (never its config, secret, or anyone else's chat)."""
+    mine = [
+        {k: c[k] for k in ("chat", "name", "at")}
+        for c in channel.get("linkedChats", [])
+        if c["person"] == person
+    ]
+    waiting = [x["until"] for x in live_links(channel) if x["person"] == person]
+    shown = {k: channel[k] for k in ("id", "provider", "name", "enabled") if k in channel}
+    if channel.get("bot"):
+        shown["bot"] = channel["bot"]
+    return {**shown, "chats": mine, "linkUntil": waiting[0] if waiting else None}
 
 
 def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
@@ -16745,8 +17109,8 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
     if command == "search":
         if not arg:
             return "Usage: /search <words>"
-        try:
-            total, hits = svc.index.search(Query(arg), "", 5, 0)
+        try:  # a person's chat: their reach (the owner's: every note)
+            total, hits = svc.index.search(Query(arg), request_principal().folders, 5, 0)
         except ApiError as e:
             return f"Search: {e.message}"
         if not total:
@@ -16769,7 +17133,7 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
     elif command is not None:
         return f"Unknown command /{command}.\n{HELP_TEXT}"
     try:
-        return ask_agent(svc, arg)["reply"]
+        return ask_agent(svc, arg, folder=request_principal().folders)["reply"]
     except ApiError as e:
         if e.code == "AGENT_DISABLED":
             return "The agent is off on this server; try /search <words>."
@@ -16796,14 +17160,35 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             results.append(_deliver(svc, channel, prov, sender, BOUND_TEXT))
             binding = allowed = None
             continue
-        if (binding and not allowed) or (allowed is not None and sender not in allowed):
+        link = link_of(channel, text) if prov.allow else None
+        if link is not None:  # a key's code: this chat is its person's from now on
+            channel = link_chat(svc, channel, prov, sender, name, link)
+            person = svc.people.get(link["person"])
+            reply = (
+                LINKED_TEXT.format(name=person["name"], home=person["home"])
+                if person
+                else BOUND_TEXT
+            )
+            results.append(_deliver(svc, channel, prov, sender, reply))
+            allowed, binding = allowed_senders(svc, channel, prov), channel.get("binding")
+            continue
+        mine, who = chat_principal(svc, channel, sender)
+        if (
+            (binding and not allowed)
+            or (allowed is not None and sender not in allowed)
+            or (mine and who is None)
+        ):
             refuse_sender(svc, channel, prov, sender, name)
             results.append({"handled": False, "reason": "sender not allowed"})
             continue
-        if media:
-            reply = capture_media(svc, channel, prov, media, text)
-        else:
-            reply = run_command(svc, text.strip(), channel)
+        with acting_as(who, channel.get("name") or prov.name) if who else contextlib.nullcontext():
+            try:
+                if media:
+                    reply = capture_media(svc, channel, prov, media, text)
+                else:
+                    reply = run_command(svc, text.strip(), channel)
+            except ApiError as e:  # a full disk, a place this chat may not write
+                reply = f"That did not work: {e.message}"
         results.append(_deliver(svc, channel, prov, sender, reply))
     if len(results) == 1:
         return results[0]
@@ -17114,9 +17499,17 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
     return found
 
 
+def chats_of(channel: dict, allowed: list, person: str) -> list:
+    """Return the chats of a channel's live ones (`allowed`) that are a person's ("": the
+    owner's, those linked to nobody)."""
+    linked = {c["chat"]: c["person"] for c in channel.get("linkedChats", [])}
+    return [chat for chat in allowed if (linked.get(chat) or "") == person]
+
+
 class ReminderScheduler:
     """Reminders written in the notes, sent once through every enabled channel with
-    config.notify true (to the senders on its allowlist).
+    config.notify true (to the senders on its allowlist): a note in a person's home to
+    that person's chats, any other note (a shared folder's too) to the owner's.
 
     The notes are read through the index (re-read when a note changes: an edit or a
     delete cancels); what was sent and what was scheduled is kept in
@@ -17327,11 +17720,12 @@ class ReminderScheduler:
             f"{r['line']}\n{r['path']}"
         )
         sent = tried = 0
+        person = svc.people.holder(r["path"])  # a note in a person's home: their chats only
         for channel in channels_of(svc):
             prov = svc.channel_providers.get(channel["provider"])
             if not (prov and prov.send and channel["enabled"] and channel["config"].get("notify")):
                 continue
-            for to in allowed_senders(svc, channel, prov) or []:  # live chats only
+            for to in chats_of(channel, allowed_senders(svc, channel, prov) or [], person):
                 tried += 1
                 try:
                     prov.send(svc, channel["config"], to, text)
@@ -17340,8 +17734,10 @@ class ReminderScheduler:
                     log.warning("channel %s: a reminder was not delivered: %s", channel["id"], e)
         if not tried:
             log.warning(
-                "reminder in %s is due, but no enabled channel has notify: true and an allowlist",
+                "reminder in %s is due, but no enabled channel has notify: true and an "
+                "allowlist with a chat of %s",
                 r["path"],
+                "its person" if person else "the owner",
             )
         else:
             log.info("reminder in %s sent (%d of %d)%s", r["path"], sent, tried, " late" * late)
@@ -18782,6 +19178,7 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     plugins = PLUGINS if readonly else load_plugins(plugins_dir(config))
     svc = Service(config, plugins, *provider_registries(plugins), readonly=readonly)
     svc.grants.on_revoke.append(unbind_chats(svc.channel_providers))  # its chats go with it
+    svc.people.on_remove.append(unlink_person(svc.channel_providers))  # theirs with them
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
     svc.embedder = build_embedder(svc)
@@ -19237,8 +19634,13 @@ builtin_plugin(
 
 
 def daily_today(svc: Service) -> bytes:
-    path, heading = day_note(local_now(svc).date())
-    path = visible_note(svc.notes, path)
+    """POST /plugins/daily/today: today's note of whoever asks (a person's in their home,
+    <home>/daily/YYYY-MM-DD.md; a folder grant's stays notes/daily: 404), created when
+    missing."""
+    who = request_principal()
+    folder = daily_folder(who) if who.person else DAILY_FOLDER
+    path, heading = day_note(local_now(svc).date(), folder)
+    path = visible_note(svc.notes, path, who, write=True)
     try:
         rec, status = svc.notes.create(path, f"# {heading}\n\n"), 201
     except ApiError as e:
@@ -19252,7 +19654,7 @@ def daily_today(svc: Service) -> bytes:
 builtin_plugin(
     Plugin(
         "daily",
-        description="a note per day: notes/daily/YYYY-MM-DD.md",
+        description="a note per day: notes/daily/YYYY-MM-DD.md (a person's: <home>/daily/)",
         routes=(
             PluginRoute(
                 "POST",
@@ -27096,6 +27498,72 @@ def check_oauth_clients(svc: Service) -> list:
             "nothing: each still needs your approval with the API key.",
             "Nothing to do unless you did not expect it; GET /api/v1/auth/keys lists the "
             "clients you approved.",
+        )
+    ]
+
+
+PERSON_ADMIN_IDLE_DAYS = 90
+
+
+@audit_check
+def check_people_admin_devices(svc: Service) -> list:
+    """People whose admin devices went unused over 90 days (each can add devices and keys
+    of theirs, and share their home): a lost phone, most likely."""
+    now, idle = time.time(), []
+    data = svc.state.read()
+    names = {p["id"]: p["name"] for p in data.get("people", [])}
+    for g in svc.grants.grants():
+        if g.get("person") not in names or g["kind"] != "device" or g["scope"] != "admin":
+            continue
+        stored = next((x for x in data.get("grants", []) if x["id"] == g["id"]), None)
+        if stored is None or svc.grants.expires(stored) <= now:
+            continue  # expired already: it opens nothing
+        last = epoch_of(g.get("lastUsedAt") or g["createdAt"])
+        if last < now - PERSON_ADMIN_IDLE_DAYS * 86400:
+            idle.append((names[g["person"]], clean_name(g["name"], g["id"], 40)))
+    if not idle:
+        return []
+    shown = ", ".join(f"{who}'s {name}" for who, name in sorted(idle)[:5])
+    return [
+        finding(
+            "people-admin-devices-unused",
+            "low",
+            "People's admin devices are unused",
+            f"{len(idle)} admin device(s) of people here went unused for over "
+            f"{PERSON_ADMIN_IDLE_DAYS} days: {shown}. Each can add keys and devices for its "
+            "person and share their home.",
+            "Ask them whether the device is still theirs; remove the ones that are not "
+            "(DELETE /api/v1/auth/keys/:id from their device, or remove the person).",
+        )
+    ]
+
+
+@audit_check
+def check_shared_to_everyone(svc: Service) -> list:
+    """A shared folder every person here may write: fine for a family folder, worth a look
+    when it holds what only some should change."""
+    data = svc.state.read()
+    people = [p["id"] for p in data.get("people", [])]
+    if not people:
+        return []
+    reaches = [person_reach(data, p) for p in people]
+    open_to_all = sorted(
+        folder
+        for folder in data.get("members", {})
+        if all(r.scope_at(folder) == "write" for r in reaches)
+    )
+    if not open_to_all:
+        return []
+    return [
+        finding(
+            "shared-write-everyone",
+            "info",
+            "A folder every person may change",
+            f"{len(open_to_all)} shared folder(s) give write to every person here: "
+            f"{', '.join(open_to_all[:5])}. Anyone of them can change or delete what is "
+            "inside (history keeps every version).",
+            "Nothing to do for a family folder; share read where some should only look "
+            "(PUT /api/v1/folders/:path/members).",
         )
     ]
 
@@ -39344,9 +39812,13 @@ def merge_note(svc: Service, path: str) -> dict:
     content = field(body, "content")
     base = base if base.startswith('"') else f'"{base}"'
     name = clean_name(field(body, "clientName", required=False, max_len=100), "")
-    who = title_filename(name or principal_name(svc, request_principal()))
-    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
+    who = name or principal_name(svc, principal)
+    person = svc.people.get(principal.person)
+    if person is not None:  # a person's copy names them, whatever the client calls itself
+        who = f"{person['name']} · {who}"
+    who = title_filename(who)
+    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     sees = None if principal.whole else principal.sees
     done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)
     bottle.response.set_header("ETag", done["note"]["etag"])
@@ -39668,32 +40140,56 @@ def purge_trash_item(svc: Service, item_id: str) -> dict:
     return {"id": item.id, "purged": True}
 
 
-def _granted_changes(page: dict) -> dict:
-    """Return a page of the change feed as the request's grant sees it: a folder grant gets
-    its folder's changes, a move into it as a creation and a move out of it as a deletion."""
-    who = request_principal()
+def seen_change(entry: tuple, inside: bool, was: bool) -> dict:
+    """Return a journal entry's record to one who sees part of the notes (`inside`: its
+    path is theirs; `was`: a move's origin is): a move into their part is a creation, a
+    move out of it a deletion (where the note went is not theirs to know)."""
+    c = change_record(entry)
+    if entry[1] != "moved" or (inside and was):
+        return c
+    del c["from"]
+    if inside:  # moved in: to them, the note appears
+        c["kind"] = "created"
+        return c
+    c.pop("etag", None)
+    c.update(kind="deleted", path=entry[3])
+    return c
+
+
+def _changes_page(svc: Service, who: Principal, since: int, limit: int) -> dict:
+    """Return a page of the change feed as `who` sees it: all of it, or (a part of the
+    notes: a folder grant, a person) the changes it sees, numbered with gaps."""
     if who.whole:
-        return page
-    seen = []
-    for c in page["changes"]:
-        inside, was = who.sees(c["path"]), c["kind"] == "moved" and who.sees(c.get("from", ""))
-        if c["kind"] == "moved" and inside and not was:
-            c = {**{k: v for k, v in c.items() if k != "from"}, "kind": "created"}
-        elif c["kind"] == "moved" and was and not inside:
-            c = {"seq": c["seq"], "kind": "deleted", "path": c["from"], "at": c["at"]}
-        elif not inside:
-            continue
-        seen.append(c)
-    return {**page, "changes": seen}
+        return svc.journal.read(since, limit)
+    return svc.journal.read_seen(since, limit, who.folders, seen_change)
+
+
+def _still(svc: Service, who: Principal) -> Principal:
+    """Return who a waiting feed acts as now (its reach as shared now); 401 once revoked,
+    410 once a folder it followed is no longer shared with it (its list lost notes the
+    feed cannot name: it lists again)."""
+    now = svc.grants.current(who.grant_id) if who.grant_id else who
+    if now is None:
+        raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+    if any(not now.sees(folder) for folder, _ in who.reach.folders):
+        latest = svc.journal.seen_latest(now.folders)
+        raise gone(
+            f"a folder this key followed is no longer shared with it; list the notes again "
+            f"and follow from since={latest}"
+        )
+    return now
 
 
 def list_changes(svc: Service) -> dict:
+    who = request_principal()
     if query_str("since") == "latest":  # where to follow from, without reading the journal
-        return {"changes": [], "last": svc.journal.latest(), "more": False}
+        last = svc.journal.latest() if who.whole else svc.journal.seen_latest(who.folders)
+        return {"changes": [], "last": last, "more": False}
     since = query_int("since", 0, 0, MAX_SEQ)
     wait = query_int("wait", 0, 0, MAX_WAIT_SECONDS)
     limit = query_int("limit", 100, 1, 1000)
-    page = _granted_changes(svc.journal.read(since, limit))
+    nudges, mark = svc.journal.nudges(), svc.journal.latest()
+    page = _changes_page(svc, who, since, limit)
     if page["changes"] or not wait:
         return page
     # A waiting feed holds a worker thread: at most max_waiters at once, so the others
@@ -39705,16 +40201,18 @@ def list_changes(svc: Service) -> dict:
     else:
         pool, cap = "direct", svc.config.max_waiters
     deadline = time.monotonic() + wait
-    while not page["changes"]:  # a folder grant waits on for a change it may see
-        came = svc.journal.wait_after(page["last"], deadline - time.monotonic(), pool, cap)
+    while True:  # a part of the notes waits on for a change it may see
+        left = deadline - time.monotonic()
+        came = svc.journal.wait_after(mark, left, pool, cap, nudges) if left > 0 else False
         if came is None:
             bottle.response.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
             return {**page, "retryAfter": RETRY_AFTER_SECONDS}
-        after = _granted_changes(svc.journal.read(page["last"], limit))
-        if not came or after["last"] == page["last"] or time.monotonic() >= deadline:
-            return after
-        page = after
-    return page
+        # woken: by a change, or a share or a key that ended; it sees what it reaches now
+        nudges, mark = svc.journal.nudges(), svc.journal.latest()
+        who = _still(svc, who)
+        page = _changes_page(svc, who, since, limit)
+        if page["changes"] or not came:
+            return page
 
 
 # -- search --------------------------------------------------------------------------------
@@ -41210,7 +41708,83 @@ def list_channel_providers(svc: Service) -> dict:
 
 
 def list_channels(svc: Service) -> dict:
-    return {"channels": [redact_channel(c, svc.channel_providers) for c in channels_of(svc)]}
+    """GET /channels: the owner's every channel (redacted); a person's, the channels a chat
+    of theirs may join, with their own chats only."""
+    person, provs = request_principal().person, svc.channel_providers
+    if person:
+        return {
+            "channels": [
+                person_channel(c, person)
+                for c in channels_of(svc)
+                if _linkable(svc, c) or any(x["person"] == person for x in c.get("linkedChats", []))
+            ]
+        }
+    return {
+        "channels": [
+            {**redact_channel(c, svc.channel_providers), "chats": channel_chats(c, provs)}
+            for c in channels_of(svc)
+        ]
+    }
+
+
+def _linkable(svc: Service, channel: dict) -> bool:
+    """Return whether a person's chat may join a channel: switched on, with an allowlist
+    (or closed until a code connects a chat); never one that answers anyone."""
+    prov = svc.channel_providers.get(channel["provider"])
+    if prov is None or not prov.allow or not channel["enabled"]:
+        return False
+    return bool(channel["config"].get(prov.allow)) or "binding" in channel
+
+
+def link_channel(svc: Service, channel_id: str) -> dict:
+    """POST /channels/:id/link: a code a chat sends the bot, ten minutes, once; that chat
+    acts as the key that asked from then on (a person's: their reach, their places)."""
+    who = request_principal()
+    code, link = new_link(who)
+    made = link["createdBy"]
+
+    def apply(channels: list, i: int) -> dict:
+        channel = channels[i]
+        if not _linkable(svc, channel):
+            raise ApiError(
+                409,
+                "CONFLICT",
+                "no chat can join this channel now: it is switched off, or answers anyone "
+                "(the owner gives it an allowlist first)",
+            )
+        waiting = [  # one code waits per person (the owner's: per key)
+            x
+            for x in live_links(channel)
+            if x["person"] != link["person"] or (not x["person"] and x["createdBy"] != made)
+        ]
+        channel["links"] = [*waiting, link]
+        return channel
+
+    if not any(c["id"] == channel_id for c in channels_of(svc)):
+        raise not_found(f"no channel {channel_id}")
+    channel = change_channel(svc, channel_id, apply)
+    log.info("channel %s: a chat link for %s", channel_id, who.person or "the owner")
+    answer = {"bindCode": code, "expiresAt": link["until"]}
+    if channel.get("bot"):
+        answer.update(bot=channel["bot"], link=f"https://t.me/{channel['bot']}?start={code}")
+        svg = qr_svg(answer["link"])
+        if svg:
+            answer["qrSvg"] = svg
+    bottle.response.status = 201
+    return {**answer, "channel": person_channel(channel, link["person"])}
+
+
+def unlink_channel(svc: Service, channel_id: str) -> dict:
+    """DELETE /channels/:id/link: the chats linked for the caller's person (the owner: the
+    ones the owner's keys linked) leave the channel, and their codes that wait end."""
+    person = request_principal().person or None
+
+    def apply(channels: list, i: int) -> list:
+        prov = svc.channel_providers.get(channels[i]["provider"])
+        return unlink_chats(channels[i], prov, person) if prov and prov.allow else []
+
+    gone = change_channel(svc, channel_id, apply)
+    return {"id": channel_id, "unlinked": gone}
 
 
 def create_channel(svc: Service) -> dict:
@@ -41318,7 +41892,9 @@ def get_channel(svc: Service, channel_id: str) -> dict:
     for channel in channels_of(svc):
         if channel["id"] == channel_id:
             refused = channel.get("refusedSenders", [])
-            return {**redact_channel(channel, svc.channel_providers), "refusedSenders": refused}
+            chats = channel_chats(channel, svc.channel_providers)  # whose each chat is
+            shown = redact_channel(channel, svc.channel_providers)
+            return {**shown, "chats": chats, "refusedSenders": refused}
     raise not_found(f"no channel {channel_id}")
 
 
@@ -44590,8 +45166,163 @@ def get_capture(svc: Service) -> dict:
     }
 
 
+# == src/notesvc/http/openapi.py ==============================================
+# The OpenAPI 3.1 document of the route table (GET /api/v1/openapi.json).
+
+
+def get_openapi(svc: Service):
+    bottle.response.content_type = JSON_TYPE
+    return to_json(openapi_document(svc, svc.base_url(bottle.request.environ)))
+
+
+def openapi_path(rule: str) -> str:
+    """Return a Bottle rule as an OpenAPI path: <name> and <name:path> become {name}."""
+    return re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", rule)
+
+
+_SEGMENT = {"type": "string", "minLength": 1}  # a path parameter without its own schema
+
+
+def openapi_document(svc: Service, server_url: str) -> dict:
+    """Return the OpenAPI 3.1 document of every /api/v1 route in the table."""
+    envelope_ok = {
+        "type": "object",
+        "required": ["success", "data"],
+        "properties": {"success": {"const": True}, "data": {"type": "object"}},
+    }
+    error = {
+        "type": "object",
+        "required": ["code", "message"],
+        "properties": {"code": {"enum": list(ERROR_CODES)}, "message": {"type": "string"}},
+    }
+    envelope_err = {
+        "type": "object",
+        "required": ["success", "error"],
+        "properties": {"success": {"const": False}, "error": error},
+    }
+    paths: dict = {}
+    for r in svc.routes:
+        if not r.api:
+            continue
+        success = (
+            _json_content("Success")
+            if r.enveloped
+            else {r.media: {"schema": {"type": "object" if "json" in r.media else "string"}}}
+        )
+        op: dict = {
+            "operationId": r.handler.__name__,
+            "summary": r.summary or r.handler.__name__.replace("_", " "),
+            "tags": [r.tag],
+            "responses": {
+                **{
+                    str(code): {"description": "success", "content": success}
+                    for code in sorted({200, r.status})
+                },
+                "default": {
+                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 410, "
+                    "412, 413, 415, 429, 500, 502, 503, 504 or 507",
+                    "content": _json_content("Error"),
+                },
+            },
+        }
+        if r.jsonrpc:
+            answer = {"application/json": {"schema": {"type": "object"}}}
+            op["responses"] = {
+                "200": {"description": "the JSON-RPC answer", "content": answer},
+                "202": {"description": "a notification (or response), accepted"},
+                "default": {"description": "a JSON-RPC error object", "content": answer},
+            }
+            op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
+            op["security"].append({"mcpOAuth": [OAUTH_SCOPES[0]]})  # docs/api.md: Let others in
+        if r.public:
+            op["security"] = []
+        elif r.key_only:
+            op["security"] = [{"apiKey": []}]
+        if not r.public:
+            op["x-scope"] = r.scope
+        schemas = r.params or {}  # a name of the rule's is a path parameter, others query
+        in_path = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
+        params = [
+            {"name": p, "in": "path", "required": True, "schema": schemas.get(p, _SEGMENT)}
+            for p in in_path
+        ]
+        params += [
+            {"name": n, "in": "query", "required": n == "q", "schema": schema}
+            for n, schema in schemas.items()
+            if n not in in_path
+        ]
+        if params:
+            op["parameters"] = params
+        body = r.body(svc) if callable(r.body) else r.body  # built per app and document
+        if body is not None:
+            op["requestBody"] = {
+                "required": bool(
+                    body.get("required") or body.get("oneOf") or body.get("minProperties")
+                ),
+                "content": {r.body_media: {"schema": body}},
+            }
+        paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "notesvc",
+            "version": __version__,
+            "description": "A self-hosted notes server. Every answer is the envelope "
+            '{"success": true, "data": {...}} or {"success": false, "error": {code, message}}; '
+            "note paths in URLs are percent-encoded with / as %2F.",
+        },
+        "servers": [{"url": server_url}],
+        "paths": paths,
+        "components": {
+            "schemas": {"Success": envelope_ok, "Error": envelope_err},
+            "securitySchemes": {
+                "apiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": KEY_HEADER,
+                    "description": "the API key (admin), or a scoped key (nsg_...) holding "
+                    "the scope an operation's x-scope names (also as Authorization: Bearer)",
+                },
+                "mcpOAuth": {
+                    "type": "oauth2",
+                    "description": "OAuth 2.1 for MCP clients (PKCE S256, RFC 8707 resource); "
+                    "tokens are good for /api/v1/mcp only",
+                    "flows": {
+                        "authorizationCode": {
+                            "authorizationUrl": f"{server_url}/oauth/authorize",
+                            "tokenUrl": f"{server_url}/oauth/token",
+                            "refreshUrl": f"{server_url}/oauth/token",
+                            "scopes": {
+                                "notes:read": "read and search notes",
+                                "notes:write": "create and change notes (SERVICE_MCP_WRITE)",
+                            },
+                        }
+                    },
+                },
+                "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
+                "bearerKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the API key as a bearer token (/mcp only)",
+                },
+                "xApiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "X-API-Key",
+                    "description": "the API key (/mcp only)",
+                },
+            },
+        },
+        "security": [{"apiKey": []}, {"bearerJwt": []}],
+    }
+
+
+def _json_content(schema: str) -> dict:
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
+
+
 # == src/notesvc/http/routes.py ===============================================
-# The route table and OpenAPI.
+# The route table (its OpenAPI document: http/openapi.py).
 
 # -- route table --------------------------------------------------------------------
 
@@ -44617,11 +45348,6 @@ def share_target_without_worker(svc: Service) -> bytes:
     bottle.response.set_header("Location", "./?share=off")
     bottle.response.set_header("Cache-Control", "no-store")
     return b""
-
-
-def get_openapi(svc: Service):
-    bottle.response.content_type = JSON_TYPE
-    return to_json(openapi_document(svc, svc.base_url(bottle.request.environ)))
 
 
 def _obj(required: Iterable[str] = (), **props: dict) -> dict:
@@ -45134,9 +45860,11 @@ ROUTES = (
         "GET",
         "/channels",
         list_channels,
-        summary="Channels (secrets redacted)",
+        summary="Channels (secrets redacted); a person's: those a chat of theirs may join, "
+        "with their own chats only",
         tag="channels",
         scope="admin",
+        people=True,
     ),
     Route(
         "POST",
@@ -45190,6 +45918,25 @@ ROUTES = (
         tag="channels",
         scope="admin",
         secret=True,
+    ),
+    Route(
+        "POST",
+        "/channels/<channel_id>/link",
+        link_channel,
+        summary="A person's one-time code (10 minutes): the chat that sends it to the bot "
+        "becomes theirs (their reach, their places)",
+        status=201,
+        tag="channels",
+        scope="write",
+        secret=True,
+    ),
+    Route(
+        "DELETE",
+        "/channels/<channel_id>/link",
+        unlink_channel,
+        summary="A person's chats leave the channel (and their code that waits ends)",
+        tag="channels",
+        scope="write",
     ),
     Route(
         "DELETE",
@@ -45872,143 +46619,6 @@ def channel_routes(providers: Mapping[str, ChannelProvider]) -> tuple:
             )
         )
     return tuple(routes)
-
-
-def openapi_path(rule: str) -> str:
-    """Return a Bottle rule as an OpenAPI path: <name> and <name:path> become {name}."""
-    return re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", rule)
-
-
-_SEGMENT = {"type": "string", "minLength": 1}  # a path parameter without its own schema
-
-
-def openapi_document(svc: Service, server_url: str) -> dict:
-    """Return the OpenAPI 3.1 document of every /api/v1 route in the table."""
-    envelope_ok = _obj(["success", "data"], success={"const": True}, data={"type": "object"})
-    envelope_err = _obj(
-        ["success", "error"],
-        success={"const": False},
-        error=_obj(["code", "message"], code={"enum": list(ERROR_CODES)}, message=_STR),
-    )
-    paths: dict = {}
-    for r in svc.routes:
-        if not r.api:
-            continue
-        success = (
-            _json_content("Success")
-            if r.enveloped
-            else {r.media: {"schema": {"type": "object" if "json" in r.media else "string"}}}
-        )
-        op: dict = {
-            "operationId": r.handler.__name__,
-            "summary": r.summary or r.handler.__name__.replace("_", " "),
-            "tags": [r.tag],
-            "responses": {
-                **{
-                    str(code): {"description": "success", "content": success}
-                    for code in sorted({200, r.status})
-                },
-                "default": {
-                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 410, "
-                    "412, 413, 415, 429, 500, 502, 503, 504 or 507",
-                    "content": _json_content("Error"),
-                },
-            },
-        }
-        if r.jsonrpc:
-            answer = {"application/json": {"schema": {"type": "object"}}}
-            op["responses"] = {
-                "200": {"description": "the JSON-RPC answer", "content": answer},
-                "202": {"description": "a notification (or response), accepted"},
-                "default": {"description": "a JSON-RPC error object", "content": answer},
-            }
-            op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
-            op["security"].append({"mcpOAuth": [OAUTH_SCOPES[0]]})  # docs/api.md: Let others in
-        if r.public:
-            op["security"] = []
-        elif r.key_only:
-            op["security"] = [{"apiKey": []}]
-        if not r.public:
-            op["x-scope"] = r.scope
-        schemas = r.params or {}  # a name of the rule's is a path parameter, others query
-        in_path = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
-        params = [
-            {"name": p, "in": "path", "required": True, "schema": schemas.get(p, _SEGMENT)}
-            for p in in_path
-        ]
-        params += [
-            {"name": n, "in": "query", "required": n == "q", "schema": schema}
-            for n, schema in schemas.items()
-            if n not in in_path
-        ]
-        if params:
-            op["parameters"] = params
-        body = r.body(svc) if callable(r.body) else r.body  # built per app and document
-        if body is not None:
-            op["requestBody"] = {
-                "required": bool(
-                    body.get("required") or body.get("oneOf") or body.get("minProperties")
-                ),
-                "content": {r.body_media: {"schema": body}},
-            }
-        paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "notesvc",
-            "version": __version__,
-            "description": "A self-hosted notes server. Every answer is the envelope "
-            '{"success": true, "data": {...}} or {"success": false, "error": {code, message}}; '
-            "note paths in URLs are percent-encoded with / as %2F.",
-        },
-        "servers": [{"url": server_url}],
-        "paths": paths,
-        "components": {
-            "schemas": {"Success": envelope_ok, "Error": envelope_err},
-            "securitySchemes": {
-                "apiKey": {
-                    "type": "apiKey",
-                    "in": "header",
-                    "name": KEY_HEADER,
-                    "description": "the API key (admin), or a scoped key (nsg_...) holding "
-                    "the scope an operation's x-scope names (also as Authorization: Bearer)",
-                },
-                "mcpOAuth": {
-                    "type": "oauth2",
-                    "description": "OAuth 2.1 for MCP clients (PKCE S256, RFC 8707 resource); "
-                    "tokens are good for /api/v1/mcp only",
-                    "flows": {
-                        "authorizationCode": {
-                            "authorizationUrl": f"{server_url}/oauth/authorize",
-                            "tokenUrl": f"{server_url}/oauth/token",
-                            "refreshUrl": f"{server_url}/oauth/token",
-                            "scopes": {
-                                "notes:read": "read and search notes",
-                                "notes:write": "create and change notes (SERVICE_MCP_WRITE)",
-                            },
-                        }
-                    },
-                },
-                "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
-                "bearerKey": {
-                    "type": "http",
-                    "scheme": "bearer",
-                    "description": "the API key as a bearer token (/mcp only)",
-                },
-                "xApiKey": {
-                    "type": "apiKey",
-                    "in": "header",
-                    "name": "X-API-Key",
-                    "description": "the API key (/mcp only)",
-                },
-            },
-        },
-        "security": [{"apiKey": []}, {"bearerJwt": []}],
-    }
-
-
-def _json_content(schema: str) -> dict:
-    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
 
 
 # == src/notesvc/http/app.py ==================================================

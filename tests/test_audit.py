@@ -106,6 +106,29 @@ def _many_oauth_clients(app, root: Path) -> None:
         )
 
 
+def _a_persons_admin_device_unused(app, root: Path) -> None:
+    owner = with_key(app)
+    made = data(owner.post_json(f"{API}/people", {"name": "Ann"}, status=201))
+    claim = {"secret": made["pairing"]["secret"], "deviceName": "old phone"}
+    webtest.TestApp(app.app).post_json(f"{API}/auth/devices/claim", claim, status=201)
+    state_file = root / ".notesvc" / "state.json"
+    state = json.loads(state_file.read_text())
+    for g in state["grants"]:
+        g["createdAt"] = g["lastUsedAt"] = "2020-01-01T00:00:00.000Z"
+    state_file.write_text(json.dumps(state))
+
+
+def _a_folder_everyone_writes(app, root: Path) -> None:
+    owner = with_key(app)
+    put_note(owner, "notes/Family/list.md", "bread")
+    people = [
+        data(owner.post_json(f"{API}/people", {"name": name}, status=201))["person"]["id"]
+        for name in ("Ann", "Bob")
+    ]
+    body = {"members": [{"person": p, "scope": "write"} for p in people]}
+    owner.put_json(f"{API}/folders/notes%2FFamily/members", body)
+
+
 def _an_expiring_passthrough_certificate(app, root: Path) -> None:
     import datetime as dt
 
@@ -163,6 +186,12 @@ FIRING_CONFIGURATIONS = {
     "grants": Firing("grant-write-forever", change=_a_write_key_without_expiry),
     "share_links": Firing("share-links-old", change=_an_old_share_link),
     "oauth_clients": Firing("oauth-clients-many", change=_many_oauth_clients),
+    "people_admin_devices": Firing(
+        "people-admin-devices-unused",
+        {"SERVICE_DEVICE_IDLE_DAYS": "0"},
+        change=_a_persons_admin_device_unused,
+    ),
+    "shared_to_everyone": Firing("shared-write-everyone", change=_a_folder_everyone_writes),
 }
 
 

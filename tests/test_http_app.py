@@ -162,6 +162,9 @@ def secret_answers(ask, key: str, note: str = "notes/shared.md") -> dict:
     person = call("POST", f"{API}/people", body={"name": "Ann " + "n" * 50}, headers=owner)
     more = f"{API}/people/{person['data']['person']['id']}/pairings"
     call("POST", f"{API}/people/<person_id>/pairings", more, body={"name": long}, headers=owner)
+    theirs = {"secret": person["data"]["pairing"]["secret"], "deviceName": "Ann's phone"}
+    _, _, raw = ask("POST", f"{API}/auth/devices/claim", body=theirs)
+    ann = {KEY: json.loads(raw)["data"]["key"]}
     ask("POST", f"{API}/notes", body={"path": note, "content": "x"}, headers=owner)
     call("POST", f"{API}/shares", body={"path": note}, headers=owner)
     call("POST", f"{API}/channels", body={"provider": "web", "name": long}, headers=owner)
@@ -169,6 +172,8 @@ def secret_answers(ask, key: str, note: str = "notes/shared.md") -> dict:
     connected = call("POST", f"{API}/channels/connect/telegram", body=body, headers=owner)
     bind = f"{API}/channels/{connected['data']['channel']['id']}/bind"
     call("POST", f"{API}/channels/<channel_id>/bind", bind, headers=owner)
+    link = f"{API}/channels/{connected['data']['channel']['id']}/link"  # a person's chat
+    call("POST", f"{API}/channels/<channel_id>/link", link, headers=ann)
     client = {"redirect_uris": [CALLBACK], "client_name": "Pocket assistant"}
     cid = json.loads(ask("POST", "/oauth/register", body=client)[2])["client_id"]
     verifier, challenge = pkce_pair()
@@ -225,6 +230,7 @@ class TestCompression:
             ("POST", f"{API}/channels"),
             ("POST", f"{API}/channels/connect/telegram"),
             ("POST", f"{API}/channels/<channel_id>/bind"),
+            ("POST", f"{API}/channels/<channel_id>/link"),
             ("POST", f"{API}/auth/feeds"),
             ("POST", f"{API}/oauth/approve"),
             ("POST", "/oauth/token"),

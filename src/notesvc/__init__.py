@@ -72,6 +72,7 @@ MODULES = (
     "http.feed",
     "http.people",
     "http.capture",
+    "http.openapi",
     "http.routes",
     "http.app",
     "cli",

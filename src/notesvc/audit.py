@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Callable
 
 from notesvc.boot import log
-from notesvc.grants import MAX_OAUTH_CLIENTS, OAUTH_CLIENT_UNUSED_DAYS, clean_name, epoch_of
+from notesvc.grants import (
+    MAX_OAUTH_CLIENTS,
+    OAUTH_CLIENT_UNUSED_DAYS,
+    clean_name,
+    epoch_of,
+    person_reach,
+)
 from notesvc.helpers import (
     is_loopback,
     is_trusted_proxy,
@@ -815,6 +821,72 @@ def check_oauth_clients(svc: Service) -> list:
             "nothing: each still needs your approval with the API key.",
             "Nothing to do unless you did not expect it; GET /api/v1/auth/keys lists the "
             "clients you approved.",
+        )
+    ]
+
+
+PERSON_ADMIN_IDLE_DAYS = 90
+
+
+@audit_check
+def check_people_admin_devices(svc: Service) -> list:
+    """People whose admin devices went unused over 90 days (each can add devices and keys
+    of theirs, and share their home): a lost phone, most likely."""
+    now, idle = time.time(), []
+    data = svc.state.read()
+    names = {p["id"]: p["name"] for p in data.get("people", [])}
+    for g in svc.grants.grants():
+        if g.get("person") not in names or g["kind"] != "device" or g["scope"] != "admin":
+            continue
+        stored = next((x for x in data.get("grants", []) if x["id"] == g["id"]), None)
+        if stored is None or svc.grants.expires(stored) <= now:
+            continue  # expired already: it opens nothing
+        last = epoch_of(g.get("lastUsedAt") or g["createdAt"])
+        if last < now - PERSON_ADMIN_IDLE_DAYS * 86400:
+            idle.append((names[g["person"]], clean_name(g["name"], g["id"], 40)))
+    if not idle:
+        return []
+    shown = ", ".join(f"{who}'s {name}" for who, name in sorted(idle)[:5])
+    return [
+        finding(
+            "people-admin-devices-unused",
+            "low",
+            "People's admin devices are unused",
+            f"{len(idle)} admin device(s) of people here went unused for over "
+            f"{PERSON_ADMIN_IDLE_DAYS} days: {shown}. Each can add keys and devices for its "
+            "person and share their home.",
+            "Ask them whether the device is still theirs; remove the ones that are not "
+            "(DELETE /api/v1/auth/keys/:id from their device, or remove the person).",
+        )
+    ]
+
+
+@audit_check
+def check_shared_to_everyone(svc: Service) -> list:
+    """A shared folder every person here may write: fine for a family folder, worth a look
+    when it holds what only some should change."""
+    data = svc.state.read()
+    people = [p["id"] for p in data.get("people", [])]
+    if not people:
+        return []
+    reaches = [person_reach(data, p) for p in people]
+    open_to_all = sorted(
+        folder
+        for folder in data.get("members", {})
+        if all(r.scope_at(folder) == "write" for r in reaches)
+    )
+    if not open_to_all:
+        return []
+    return [
+        finding(
+            "shared-write-everyone",
+            "info",
+            "A folder every person may change",
+            f"{len(open_to_all)} shared folder(s) give write to every person here: "
+            f"{', '.join(open_to_all[:5])}. Anyone of them can change or delete what is "
+            "inside (history keeps every version).",
+            "Nothing to do for a family folder; share read where some should only look "
+            "(PUT /api/v1/folders/:path/members).",
         )
     ]
 

@@ -106,11 +106,14 @@ class Reach:
     everything: bool = False
     home: str = ""  # where what it makes goes by default: a folder grant's, a person's home
 
-    @property
+    @functools.cached_property
     def tops(self) -> tuple:
-        """Return the reached folders none of the others holds: what a filter needs."""
-        names = sorted({f for f, _ in self.folders})
-        return tuple(f for f in names if not any(inside(f, o) and f != o for o in names))
+        """Return the reached folders none of the others holds: what a filter needs (once
+        per reach: a change feed asks it on every read)."""
+        names = {f for f, _ in self.folders}  # one is held when a folder above it is here
+        return tuple(
+            sorted(f for f in names if not any(f[:i] in names for i, c in enumerate(f) if c == "/"))
+        )
 
     def folder_of(self, path: str) -> str:
         """Return the notes folder a note, attachment or folder path stands for (its
@@ -275,8 +278,33 @@ def made_by_grant(created_by: Any) -> bool:
     return isinstance(created_by, str) and created_by not in (MADE_BY_OWNER, MADE_BY_CLI)
 
 
+_ACTING = threading.local()  # (principal, via) while a chat bound to someone is served
+
+
+@contextlib.contextmanager
+def acting_as(principal: Principal, via: str = ""):
+    """Let what runs inside act for `principal` in this thread (a chat bound to a person
+    acts as the grant that linked it): request_principal() answers it, `via` names it."""
+    before = getattr(_ACTING, "who", None)
+    _ACTING.who = (principal, via)
+    try:
+        yield principal
+    finally:
+        _ACTING.who = before
+
+
+def acting_via() -> str:
+    """Return the name of what this thread acts through (a chat's channel), "" if nothing."""
+    who = getattr(_ACTING, "who", None)
+    return who[1] if who else ""
+
+
 def request_principal() -> Principal:
-    """Return who the current request acts for (the owner outside a protected request)."""
+    """Return who the current request acts for (the owner outside a protected request;
+    inside acting_as, whom that names)."""
+    who = getattr(_ACTING, "who", None)
+    if who is not None:
+        return who[0]
     try:
         return bottle.request.environ.get("notesvc.principal", OWNER)
     except (AttributeError, RuntimeError, KeyError):
@@ -699,6 +727,7 @@ class GrantStore:
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
+        self.after_revoke: list = []  # () -> None after it: waiting change feeds look again
         self.registrations = RateLimit(REGISTRATIONS_PER_MINUTE)
         self.public_hits = RateLimit(60)  # shared notes and consent facts, per address
         self.share_misses = Lockout(what="unknown links")  # share and feed tokens, per address
@@ -1054,6 +1083,8 @@ class GrantStore:
         for g in gone:
             self._used.pop(g, None)
             log.info("grant %s revoked", g)
+        for hook in self.after_revoke:
+            hook()
 
     def grants_of_person(self, data: dict, person_id: str) -> list:
         """Return the ids of a person's grants and of all those they made, in `data`."""

@@ -63,6 +63,9 @@ class PeopleStore:
         # (data, the person's id) -> None, run inside a removal's state change: what a
         # person holds beyond grants (the chats bound to them) ends with them in one write
         self.on_remove: list = []
+        # () -> None, after a change of who reaches what (a share, a removal, a move): the
+        # change feeds waiting for someone look at their reach again
+        self.after_change: list = []
         # drain(people=...): wait for the writes people had begun (the Service's), after a
         # share that narrowed them is written
         self.drain: Callable = lambda grants=(), people=(): None
@@ -76,6 +79,16 @@ class PeopleStore:
         if not isinstance(person_id, str):
             return None
         return next((p for p in self.people(data) if p["id"] == person_id), None)
+
+    def home_of(self, person_id: str) -> str:
+        """Return a person's home folder ("" for the owner, or someone gone)."""
+        person = self.get(person_id) if person_id else None
+        return person["home"] if person else ""
+
+    def holder(self, path: str) -> str:
+        """Return the id of the person whose home holds a path ("": nobody's, the owner's)."""
+        person = next((p for p in self.people() if inside(path, p["home"])), None)
+        return person["id"] if person else ""
 
     def name_of(self, person_id: str, data: dict | None = None) -> str:
         person = self.get(person_id, data)
@@ -196,8 +209,13 @@ class PeopleStore:
 
         gone = self.state.update(change)
         self.grants.ended(gone)
+        self._changed()
         log.info("person %s removed (%d grants ended)", person_id, len(gone))
         return gone
+
+    def _changed(self) -> None:
+        for hook in self.after_change:
+            hook()
 
     # -- sharing --------------------------------------------------------------------------
 
@@ -279,6 +297,7 @@ class PeopleStore:
         before = {m["person"] for m in data.get("members", {}).get(folder, [])}
         self.state.update(change)
         self.drain(people=before)  # their writes begun before: done before we answer
+        self._changed()
         log.info("folder %s shared with %d people", folder, len(wanted))
         return [self._member_row(m, self.state.read()) for m in wanted]
 
@@ -361,4 +380,5 @@ class PeopleStore:
                 share["path"] = moved(share["path"])
 
         self.state.update(change)
+        self._changed()
         log.info("people: homes and shares follow %s to %s", old, new)

@@ -19,6 +19,7 @@ from notesvc.grants import Principal, request_principal, visible_note
 from notesvc.notes.paths import (
     ATTACHMENT_TYPES,
     ATTACHMENTS,
+    DAILY_FOLDER,
     MAX_SCAN_CHARS,
     NOTE_PATH_PARAM,
     NOTES,
@@ -27,8 +28,8 @@ from notesvc.notes.paths import (
 )
 from notesvc.providers.agent import AGENT_PROVIDERS
 from notesvc.providers.base import TOOLS, collecting_registrations
-from notesvc.providers.capture import local_now
-from notesvc.providers.channels import CHANNEL_PROVIDERS, unbind_chats
+from notesvc.providers.capture import daily_folder, local_now
+from notesvc.providers.channels import CHANNEL_PROVIDERS, unbind_chats, unlink_person
 from notesvc.providers.embed import build_embedder
 from notesvc.providers.polling import ChannelPollers
 from notesvc.providers.reader import FileTextReader
@@ -143,6 +144,7 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     plugins = PLUGINS if readonly else load_plugins(plugins_dir(config))
     svc = Service(config, plugins, *provider_registries(plugins), readonly=readonly)
     svc.grants.on_revoke.append(unbind_chats(svc.channel_providers))  # its chats go with it
+    svc.people.on_remove.append(unlink_person(svc.channel_providers))  # theirs with them
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
     svc.embedder = build_embedder(svc)
@@ -598,8 +600,13 @@ builtin_plugin(
 
 
 def daily_today(svc: Service) -> bytes:
-    path, heading = day_note(local_now(svc).date())
-    path = visible_note(svc.notes, path)
+    """POST /plugins/daily/today: today's note of whoever asks (a person's in their home,
+    <home>/daily/YYYY-MM-DD.md; a folder grant's stays notes/daily: 404), created when
+    missing."""
+    who = request_principal()
+    folder = daily_folder(who) if who.person else DAILY_FOLDER
+    path, heading = day_note(local_now(svc).date(), folder)
+    path = visible_note(svc.notes, path, who, write=True)
     try:
         rec, status = svc.notes.create(path, f"# {heading}\n\n"), 201
     except ApiError as e:
@@ -613,7 +620,7 @@ def daily_today(svc: Service) -> bytes:
 builtin_plugin(
     Plugin(
         "daily",
-        description="a note per day: notes/daily/YYYY-MM-DD.md",
+        description="a note per day: notes/daily/YYYY-MM-DD.md (a person's: <home>/daily/)",
         routes=(
             PluginRoute(
                 "POST",

@@ -16,7 +16,14 @@ from typing import Any, Callable
 from notesvc.auth import Lockout, StateStore, jwt_decode, relay_origin_of
 from notesvc.boot import API, KEY_HEADER, bottle, log
 from notesvc.errors import ApiError, bad_request
-from notesvc.grants import OWNER, GrantStore, Principal, mcp_challenge, request_principal
+from notesvc.grants import (
+    OWNER,
+    GrantStore,
+    Principal,
+    acting_via,
+    mcp_challenge,
+    request_principal,
+)
 from notesvc.helpers import (
     Machine,
     base_url_of,
@@ -219,6 +226,10 @@ class Service:
             self.state, idle_days=config.device_idle_days
         )
         self.people = PeopleStore(self.state, self.grants, self.notes)  # and shared folders
+        self.notes.person = self.acting_person  # the feed names a person's changes
+        # who sees what changed: the waiting change feeds look at their principal again
+        self.grants.after_revoke.append(self.journal.nudge)
+        self.people.after_change.append(self.journal.nudge)
         # A key revoked (or a share removed) mid-request writes nothing once that answered:
         # each change is entered through writing(), and revocations drain() what it let in.
         self._gate = threading.Condition()
@@ -253,10 +264,14 @@ class Service:
         """Return the name of the grant the current request acts for (a device's or a
         key's, an app's; a person's as `<person> · <device>`), as versions record it; None
         for the owner or outside a request."""
-        acting = getattr(self._acting, "name", None)
+        acting = getattr(self._acting, "name", None)  # a suggestion accepted: its connector
         if acting is not None:
             return acting
-        grant_id = request_principal().grant_id
+        who, via = request_principal(), acting_via()
+        if via:  # a chat bound to a person: "<person> · <channel>"
+            person = self.people.get(who.person)
+            return f"{person['name']} · {via}" if person else None
+        grant_id = who.grant_id
         if not grant_id:
             return None
         data = self.state.read()
@@ -266,6 +281,12 @@ class Service:
                 person = self.people.get(g.get("person"), data)
                 return f"{person['name']} · {name}" if person else name
         return None
+
+    def acting_person(self) -> dict | None:
+        """Return {id, name} of the person the current request (or chat) acts for; None
+        for the owner."""
+        person = self.people.get(request_principal().person)
+        return {"id": person["id"], "name": person["name"]} if person else None
 
     @contextlib.contextmanager
     def writing(self, path: str):

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from notesvc.auth import JWT_LIFETIME, jwt_encode, rotate_key
 from notesvc.boot import API, KEY_HEADER, KEY_PREFIX, __version__, bottle, log
-from notesvc.errors import JSON_TYPE, ApiError, bad_request, not_found, ok, to_json
+from notesvc.errors import JSON_TYPE, ApiError, bad_request, gone, not_found, ok, to_json
 from notesvc.grants import (
     Principal,
     clean_name,
@@ -55,7 +55,7 @@ from notesvc.http.route import conditional_download, file_chunks, none_match
 from notesvc.notes.history import VERSION_ID_RE
 from notesvc.notes.merge import title_filename, unified_diff
 from notesvc.notes.paths import ATTACHMENTS, NOTES, note_path
-from notesvc.notes.trash import attachment_or_note_path
+from notesvc.notes.trash import attachment_or_note_path, change_record
 from notesvc.plugins import attachment_linkers, move_and_relink, relinkable, update_links
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import MAX_MESSAGE_CHARS, MCP_VERSIONS
@@ -515,9 +515,13 @@ def merge_note(svc: Service, path: str) -> dict:
     content = field(body, "content")
     base = base if base.startswith('"') else f'"{base}"'
     name = clean_name(field(body, "clientName", required=False, max_len=100), "")
-    who = title_filename(name or principal_name(svc, request_principal()))
-    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
+    who = name or principal_name(svc, principal)
+    person = svc.people.get(principal.person)
+    if person is not None:  # a person's copy names them, whatever the client calls itself
+        who = f"{person['name']} · {who}"
+    who = title_filename(who)
+    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     sees = None if principal.whole else principal.sees
     done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)
     bottle.response.set_header("ETag", done["note"]["etag"])
@@ -839,32 +843,56 @@ def purge_trash_item(svc: Service, item_id: str) -> dict:
     return {"id": item.id, "purged": True}
 
 
-def _granted_changes(page: dict) -> dict:
-    """Return a page of the change feed as the request's grant sees it: a folder grant gets
-    its folder's changes, a move into it as a creation and a move out of it as a deletion."""
-    who = request_principal()
+def seen_change(entry: tuple, inside: bool, was: bool) -> dict:
+    """Return a journal entry's record to one who sees part of the notes (`inside`: its
+    path is theirs; `was`: a move's origin is): a move into their part is a creation, a
+    move out of it a deletion (where the note went is not theirs to know)."""
+    c = change_record(entry)
+    if entry[1] != "moved" or (inside and was):
+        return c
+    del c["from"]
+    if inside:  # moved in: to them, the note appears
+        c["kind"] = "created"
+        return c
+    c.pop("etag", None)
+    c.update(kind="deleted", path=entry[3])
+    return c
+
+
+def _changes_page(svc: Service, who: Principal, since: int, limit: int) -> dict:
+    """Return a page of the change feed as `who` sees it: all of it, or (a part of the
+    notes: a folder grant, a person) the changes it sees, numbered with gaps."""
     if who.whole:
-        return page
-    seen = []
-    for c in page["changes"]:
-        inside, was = who.sees(c["path"]), c["kind"] == "moved" and who.sees(c.get("from", ""))
-        if c["kind"] == "moved" and inside and not was:
-            c = {**{k: v for k, v in c.items() if k != "from"}, "kind": "created"}
-        elif c["kind"] == "moved" and was and not inside:
-            c = {"seq": c["seq"], "kind": "deleted", "path": c["from"], "at": c["at"]}
-        elif not inside:
-            continue
-        seen.append(c)
-    return {**page, "changes": seen}
+        return svc.journal.read(since, limit)
+    return svc.journal.read_seen(since, limit, who.folders, seen_change)
+
+
+def _still(svc: Service, who: Principal) -> Principal:
+    """Return who a waiting feed acts as now (its reach as shared now); 401 once revoked,
+    410 once a folder it followed is no longer shared with it (its list lost notes the
+    feed cannot name: it lists again)."""
+    now = svc.grants.current(who.grant_id) if who.grant_id else who
+    if now is None:
+        raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+    if any(not now.sees(folder) for folder, _ in who.reach.folders):
+        latest = svc.journal.seen_latest(now.folders)
+        raise gone(
+            f"a folder this key followed is no longer shared with it; list the notes again "
+            f"and follow from since={latest}"
+        )
+    return now
 
 
 def list_changes(svc: Service) -> dict:
+    who = request_principal()
     if query_str("since") == "latest":  # where to follow from, without reading the journal
-        return {"changes": [], "last": svc.journal.latest(), "more": False}
+        last = svc.journal.latest() if who.whole else svc.journal.seen_latest(who.folders)
+        return {"changes": [], "last": last, "more": False}
     since = query_int("since", 0, 0, MAX_SEQ)
     wait = query_int("wait", 0, 0, MAX_WAIT_SECONDS)
     limit = query_int("limit", 100, 1, 1000)
-    page = _granted_changes(svc.journal.read(since, limit))
+    nudges, mark = svc.journal.nudges(), svc.journal.latest()
+    page = _changes_page(svc, who, since, limit)
     if page["changes"] or not wait:
         return page
     # A waiting feed holds a worker thread: at most max_waiters at once, so the others
@@ -876,16 +904,18 @@ def list_changes(svc: Service) -> dict:
     else:
         pool, cap = "direct", svc.config.max_waiters
     deadline = time.monotonic() + wait
-    while not page["changes"]:  # a folder grant waits on for a change it may see
-        came = svc.journal.wait_after(page["last"], deadline - time.monotonic(), pool, cap)
+    while True:  # a part of the notes waits on for a change it may see
+        left = deadline - time.monotonic()
+        came = svc.journal.wait_after(mark, left, pool, cap, nudges) if left > 0 else False
         if came is None:
             bottle.response.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
             return {**page, "retryAfter": RETRY_AFTER_SECONDS}
-        after = _granted_changes(svc.journal.read(page["last"], limit))
-        if not came or after["last"] == page["last"] or time.monotonic() >= deadline:
-            return after
-        page = after
-    return page
+        # woken: by a change, or a share or a key that ended; it sees what it reaches now
+        nudges, mark = svc.journal.nudges(), svc.journal.latest()
+        who = _still(svc, who)
+        page = _changes_page(svc, who, since, limit)
+        if page["changes"] or not came:
+            return page
 
 
 # -- search --------------------------------------------------------------------------------

@@ -40,15 +40,20 @@ from notesvc.providers.channels import (
     MAX_CONFIG_CHARS,
     TelegramError,
     change_channel,
+    channel_chats,
     channel_secret,
     channels_of,
     configure_channel,
     handle_channel_update,
+    live_links,
     new_binding,
+    new_link,
     note_chat_makers,
+    person_channel,
     printable,
     redact_channel,
     telegram_call,
+    unlink_chats,
     validate_channel_config,
 )
 from notesvc.search.text import MAX_QUERY_CHARS
@@ -77,7 +82,83 @@ def list_channel_providers(svc: Service) -> dict:
 
 
 def list_channels(svc: Service) -> dict:
-    return {"channels": [redact_channel(c, svc.channel_providers) for c in channels_of(svc)]}
+    """GET /channels: the owner's every channel (redacted); a person's, the channels a chat
+    of theirs may join, with their own chats only."""
+    person, provs = request_principal().person, svc.channel_providers
+    if person:
+        return {
+            "channels": [
+                person_channel(c, person)
+                for c in channels_of(svc)
+                if _linkable(svc, c) or any(x["person"] == person for x in c.get("linkedChats", []))
+            ]
+        }
+    return {
+        "channels": [
+            {**redact_channel(c, svc.channel_providers), "chats": channel_chats(c, provs)}
+            for c in channels_of(svc)
+        ]
+    }
+
+
+def _linkable(svc: Service, channel: dict) -> bool:
+    """Return whether a person's chat may join a channel: switched on, with an allowlist
+    (or closed until a code connects a chat); never one that answers anyone."""
+    prov = svc.channel_providers.get(channel["provider"])
+    if prov is None or not prov.allow or not channel["enabled"]:
+        return False
+    return bool(channel["config"].get(prov.allow)) or "binding" in channel
+
+
+def link_channel(svc: Service, channel_id: str) -> dict:
+    """POST /channels/:id/link: a code a chat sends the bot, ten minutes, once; that chat
+    acts as the key that asked from then on (a person's: their reach, their places)."""
+    who = request_principal()
+    code, link = new_link(who)
+    made = link["createdBy"]
+
+    def apply(channels: list, i: int) -> dict:
+        channel = channels[i]
+        if not _linkable(svc, channel):
+            raise ApiError(
+                409,
+                "CONFLICT",
+                "no chat can join this channel now: it is switched off, or answers anyone "
+                "(the owner gives it an allowlist first)",
+            )
+        waiting = [  # one code waits per person (the owner's: per key)
+            x
+            for x in live_links(channel)
+            if x["person"] != link["person"] or (not x["person"] and x["createdBy"] != made)
+        ]
+        channel["links"] = [*waiting, link]
+        return channel
+
+    if not any(c["id"] == channel_id for c in channels_of(svc)):
+        raise not_found(f"no channel {channel_id}")
+    channel = change_channel(svc, channel_id, apply)
+    log.info("channel %s: a chat link for %s", channel_id, who.person or "the owner")
+    answer = {"bindCode": code, "expiresAt": link["until"]}
+    if channel.get("bot"):
+        answer.update(bot=channel["bot"], link=f"https://t.me/{channel['bot']}?start={code}")
+        svg = qr_svg(answer["link"])
+        if svg:
+            answer["qrSvg"] = svg
+    bottle.response.status = 201
+    return {**answer, "channel": person_channel(channel, link["person"])}
+
+
+def unlink_channel(svc: Service, channel_id: str) -> dict:
+    """DELETE /channels/:id/link: the chats linked for the caller's person (the owner: the
+    ones the owner's keys linked) leave the channel, and their codes that wait end."""
+    person = request_principal().person or None
+
+    def apply(channels: list, i: int) -> list:
+        prov = svc.channel_providers.get(channels[i]["provider"])
+        return unlink_chats(channels[i], prov, person) if prov and prov.allow else []
+
+    gone = change_channel(svc, channel_id, apply)
+    return {"id": channel_id, "unlinked": gone}
 
 
 def create_channel(svc: Service) -> dict:
@@ -185,7 +266,9 @@ def get_channel(svc: Service, channel_id: str) -> dict:
     for channel in channels_of(svc):
         if channel["id"] == channel_id:
             refused = channel.get("refusedSenders", [])
-            return {**redact_channel(channel, svc.channel_providers), "refusedSenders": refused}
+            chats = channel_chats(channel, svc.channel_providers)  # whose each chat is
+            shown = redact_channel(channel, svc.channel_providers)
+            return {**shown, "chats": chats, "refusedSenders": refused}
     raise not_found(f"no channel {channel_id}")
 
 

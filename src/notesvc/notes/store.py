@@ -334,6 +334,7 @@ class NoteStore(FileTree):
         # who makes the change in progress, as its versions name it (savedBy): the Service
         # sets it to the request's grant's name; None: the owner, the server itself
         self.actor: Callable[[], str | None] = lambda: None
+        self.person: Callable[[], dict | None] = lambda: None  # {id, name}: a person's change
         # guard(path): a context around one change of path, entered under the note's lock
         # before anything changes: it raises when the request under way may no longer
         # change path (its key revoked, its person's share removed since its key was
@@ -968,8 +969,9 @@ class NoteStore(FileTree):
         one to miss)."""
         etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            by = self._who() if kind == "created" else None  # the note's history shows it
-            self.journal.append(kind, path, etag, origin or conflict_of, by=by)
+            person = self.person()  # the feed names a person (and the device), no one else
+            by = self._who() if kind == "created" or person else None
+            self.journal.append(kind, path, etag, origin or conflict_of, by=by, person=person)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)

@@ -237,23 +237,40 @@ def _change_of(line: bytes, after: int) -> tuple | None:
         return None
     origin = d.get("from") if d["kind"] == "moved" else d.get("conflictOf")
     by = d.get("by") if isinstance(d.get("by"), str) else None
-    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""), by)
+    person = d.get("person")
+    if not (
+        isinstance(person, dict)
+        and isinstance(person.get("id"), str)
+        and isinstance(person.get("name"), str)
+    ):
+        person = None
+    else:
+        person = {"id": person["id"], "name": person["name"]}
+    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""), by, person)
 
 
 def change_record(entry: tuple, stored: bool = False) -> dict:
-    """Return a journal entry (seq, kind, path, origin, etag, at, by) as the feed gives it:
-    the origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps
-    an edit of). `stored`: as the journal's file keeps it, with `by` (who created a note, as
-    history's savedBy: the note's history shows it, the feed does not)."""
-    seq, kind, path, origin, etag, at, by = entry
+    """Return a journal entry (seq, kind, path, origin, etag, at, by, person) as the feed
+    gives it: the origin is a move's `from`, a created conflict copy's `conflictOf` (the
+    note it keeps an edit of); a person's change names them (`person: {id, name}`) and the
+    device (`savedBy`, as history's). `stored`: as the journal's file keeps it, with `by`
+    (who created a note, as history's savedBy: the note's history shows it, the feed
+    shows it for a person's changes only)."""
+    seq, kind, path, origin, etag, at, by, person = entry
     rec = {"seq": seq, "kind": kind, "path": path}
     if origin is not None:
         rec["from" if kind == "moved" else "conflictOf"] = origin
     if etag is not None:
         rec["etag"] = etag
     rec["at"] = at
-    if stored and by is not None:
-        rec["by"] = by
+    if stored:
+        if by is not None:
+            rec["by"] = by
+        if person is not None:
+            rec["person"] = person
+    elif person is not None:
+        rec["person"] = dict(person)
+        rec["savedBy"] = by
     return rec
 
 
@@ -289,6 +306,10 @@ class ChangeJournal:
         self._compact_at = 0  # after a failed compaction: when to try again
         self._waiting: collections.Counter = collections.Counter()
         self._closed = False
+        self._nudges = 0  # bumped when who sees what changed: waiting feeds look again
+        # a folder -> the numbers of the changes below it (a move's at both ends), oldest
+        # first: a feed that sees part of the notes finds its own without looking at others'
+        self._under: dict = {}
 
     def open(self) -> ChangeJournal:
         """Read the journal, creating it when missing; a torn last line is dropped."""
@@ -320,6 +341,7 @@ class ChangeJournal:
                 return self
             self.floor, self.last = floor, after if entries else floor
             self._entries, self._seqs = entries, [e[0] for e in entries]
+            self._reindex()
             with self._file() as fd:
                 os.ftruncate(fd, end)  # a torn line and the old allowance go
             self._open, self._end, self._allocated = True, end, end
@@ -343,6 +365,26 @@ class ChangeJournal:
         self._open, self._end, self._allocated = True, len(content), len(content) + room
         self.floor, self.last = floor, max(floor, entries[-1][0] if entries else floor)
         self._entries, self._seqs = list(entries), [e[0] for e in entries]
+        self._reindex()
+
+    def _reindex(self) -> None:
+        """Index the entries held by the folders they are under (open, compaction)."""
+        self._under = {}
+        for e in self._entries:
+            self._file_under(e)
+
+    def _file_under(self, entry: tuple) -> None:
+        """Add an entry's number to the folders above its path (and a move's origin)."""
+        seq, under = entry[0], self._under
+        for path in (entry[2], entry[3]) if entry[1] == "moved" else (entry[2],):
+            at = path.find("/") if path else -1
+            while at > 0:
+                seqs = under.get(path[:at])
+                if seqs is None:
+                    under[path[:at]] = [seq]
+                elif seqs[-1] != seq:  # (a move within one folder: once)
+                    seqs.append(seq)
+                at = path.find("/", at + 1)
 
     @contextlib.contextmanager
     def _file(self):
@@ -386,14 +428,16 @@ class ChangeJournal:
         origin: str | None = None,
         reserved: bool = True,
         by: str | None = None,
+        person: dict | None = None,
     ) -> int:
         """Record a change that was made, wake the waiting feeds; return its number. `by`:
-        who made a note (a `created` entry's), as history's savedBy."""
+        who made it, as history's savedBy (kept for a `created` entry, and for a person's
+        changes); `person`: {id, name} of the person who made it."""
         with self._cond:
             if reserved:
                 self._promised = max(0, self._promised - 1)
             seq = self.last + 1
-            entry = (seq, kind, path, origin, etag, iso(self.clock()), by)
+            entry = (seq, kind, path, origin, etag, iso(self.clock()), by, person)
             if self._open:
                 line = to_json(change_record(entry, stored=True)) + b"\n"
                 try:
@@ -410,6 +454,7 @@ class ChangeJournal:
             self.last = seq
             self._seqs.append(seq)
             self._entries.append(entry)
+            self._file_under(entry)
             if len(self._entries) > max(2 * self.keep, self._compact_at):
                 self._compact()
             self._cond.notify_all()
@@ -423,6 +468,7 @@ class ChangeJournal:
             except OSError as e:
                 log.warning("changes.log: could not reset it (%s)", e)
                 self.floor, self._entries, self._seqs = self.last, [], []
+                self._under = {}
             self._cond.notify_all()
 
     def read(self, since: int, limit: int) -> dict:
@@ -448,12 +494,58 @@ class ChangeJournal:
             "more": more,
         }
 
+    def _newest_under(self, folders: tuple) -> int | None:
+        """Return the newest number of a change under one of `folders`, None if the
+        journal holds none (called holding the lock)."""
+        found = [seqs[-1] for seqs in map(self._under.get, folders) if seqs]
+        return max(found) if found else None
+
+    def read_seen(self, since: int, limit: int, folders: tuple, record: Callable) -> dict:
+        """Return {changes, last, more} as one who sees the notes under `folders` sees the
+        feed: record(entry, inside, was) is an entry's record to it (inside: the entry's
+        path is under them; was: a move's origin is). The numbers have gaps, and `last` is
+        the newest change it sees: its cursor never moves for a change it may not see, nor
+        tells how many there were. 410 for a cursor below the journal's floor or beyond
+        the newest change it sees. Its changes are found through the folders' index: what
+        it reads costs what it sees, not what everyone else changed."""
+        below, exact = tuple(f + "/" for f in folders), frozenset(folders)
+        with self._cond:
+            floor, newest = self.floor, self._newest_under(folders)
+            seen_last = max(floor, newest if newest is not None else floor)
+            if since < floor or since > seen_last:
+                raise gone(
+                    "this cursor is no longer answered for here; list the notes again and "
+                    f"follow from since={seen_last}"
+                )
+            found: set = set()
+            for seqs in map(self._under.get, folders):
+                if seqs:
+                    i = bisect.bisect_right(seqs, since)
+                    found.update(seqs[i : i + limit + 1])
+            numbers = sorted(found)[: limit + 1]
+            seqs, entries = self._seqs, self._entries
+            picked = [entries[bisect.bisect_left(seqs, n)] for n in numbers]
+        out = []
+        for e in picked[:limit]:
+            inside = e[2].startswith(below) or e[2] in exact
+            was = e[1] == "moved" and (e[3].startswith(below) or e[3] in exact)
+            out.append(record(e, inside, was))
+        more = len(picked) > limit
+        return {"changes": out, "last": out[-1]["seq"] if out else since, "more": more}
+
+    def seen_latest(self, folders: tuple) -> int:
+        """Return the newest change under `folders`, or the floor: where one who sees
+        them follows from."""
+        with self._cond:
+            newest = self._newest_under(folders)
+            return max(self.floor, newest if newest is not None else self.floor)
+
     def creation(self, path: str) -> tuple | None:
         """Return (at, by, the path it was made at) of the note now at path, its `created`
         entry followed back through its moves, while the journal holds it; None otherwise
         (compacted away, made unseen, or a deletion in between)."""
         with self._cond:
-            for _, kind, at_path, origin, _, at, by in reversed(self._entries):
+            for _, kind, at_path, origin, _, at, by, _ in reversed(self._entries):
                 if at_path != path:
                     continue
                 if kind == "created":
@@ -469,15 +561,23 @@ class ChangeJournal:
         with self._cond:
             return self.last
 
-    def wait_after(self, since: int, timeout: float, pool: str, cap: int) -> bool | None:
-        """Wait up to timeout s for a change after `since`; return whether one came, or
-        None at once when `pool` already has `cap` waiters (each holds a worker thread)."""
+    def wait_after(
+        self, since: int, timeout: float, pool: str, cap: int, nudges: int | None = None
+    ) -> bool | None:
+        """Wait up to timeout s for a change after `since` (or, given `nudges`, a nudge()
+        after that count); return whether one came, or None at once when `pool` already
+        has `cap` waiters (each holds a worker thread)."""
         with self._cond:
             if self._waiting[pool] >= cap:
                 return None
             self._waiting[pool] += 1
+
+            def woken() -> bool:
+                nudged = nudges is not None and self._nudges != nudges
+                return self.last > since or self._closed or nudged
+
             try:
-                return self._cond.wait_for(lambda: self.last > since or self._closed, timeout)
+                return self._cond.wait_for(woken, timeout)
             finally:
                 self._waiting[pool] -= 1
 
@@ -505,10 +605,17 @@ class ChangeJournal:
     def closed(self) -> bool:
         return self._closed
 
-    def nudge(self) -> None:
-        """Wake every follower to look at its stop() again (a stream replaced, a session
-        ended, a credential revoked)."""
+    def nudges(self) -> int:
+        """Return how many times who sees what changed (wait_after's `nudges`)."""
         with self._cond:
+            return self._nudges
+
+    def nudge(self) -> None:
+        """Wake the waiting feeds and MCP streams to look at their principal again (a share
+        ended, a key was revoked: what a feed shows is cut at once, a waiting one too) and a
+        stream at its stop() (replaced, its session ended)."""
+        with self._cond:
+            self._nudges += 1
             self._cond.notify_all()
 
     def waiting(self) -> int:

@@ -14,11 +14,13 @@ from typing import TYPE_CHECKING
 
 from notesvc.boot import log
 from notesvc.errors import ApiError
+from notesvc.grants import Principal, request_principal, visible_note
 from notesvc.helpers import BODY_CHUNK, local_time, scrub, time_zone, url_secrets
 from notesvc.notes.paths import (
     ATTACHMENT_TYPES,
     ATTACHMENTS,
     DAILY_FOLDER,
+    NOTES,
     attachment_path,
     content_type_of,
     day_note,
@@ -51,9 +53,28 @@ EXTENSION_OF_TYPE.update({"audio/opus": "ogg", "audio/x-m4a": "m4a", "image/jpg"
 EXTENSION_OF_KIND = {"photo": "jpg", "image": "jpg", "voice": "ogg", "video_note": "mp4"}
 
 
+def daily_folder(principal: Principal) -> str:
+    """Return where whoever acts keeps daily notes: the owner's notes/daily; a person's
+    <home>/daily (a key narrowed to a folder, a folder grant's chat: <folder>/daily)."""
+    return DAILY_FOLDER if principal.whole else f"{principal.home}/daily"
+
+
+def inbox_attachments(principal: Principal) -> str:
+    """Return where captured files go: attachments/inbox; a person's attachments/<home
+    without notes/>/inbox (a folder grant's: its folder's twin)."""
+    if principal.whole:
+        return f"{ATTACHMENTS}/inbox"
+    return f"{ATTACHMENTS}{principal.home[len(NOTES) :]}/inbox"
+
+
 def capture_note(svc: Service, channel: dict, now: dt.datetime) -> tuple:
     """Return (path, heading) of the note a channel's captures go to today: the daily
-    note, or a note per day in the channel's saveTo folder."""
+    note, or a note per day in the channel's saveTo folder; a person's chat (one that acts
+    for a part of the notes), their own daily note (saveTo is the owner's)."""
+    who = request_principal()
+    if not who.whole:  # (a key narrowed to a folder shared for reading: 403)
+        path, heading = day_note(now.date(), daily_folder(who))
+        return visible_note(svc.notes, path, who, write=True), heading
     folder = channel.get("config", {}).get("saveTo") or DAILY_FOLDER
     return day_note(now.date(), folder)
 
@@ -87,9 +108,9 @@ def _safe_stem(media: dict) -> str:
 
 
 def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: list, caption: str):
-    """Store each file of a message as an attachment under attachments/inbox/<date>/, link
-    it from the day's note with the caption (and a voice message's transcript); return the
-    reply for the sender."""
+    """Store each file of a message as an attachment under attachments/inbox/<date>/ (a
+    person's: attachments/<home>/inbox/<date>/), link it from the day's note with the
+    caption (and a voice message's transcript); return the reply for the sender."""
     if prov.fetch is None:
         return "This channel cannot fetch files."
     now = local_now(svc)
@@ -131,7 +152,8 @@ def _capture_one(svc: Service, channel: dict, prov: ChannelProvider, item, note,
     if isinstance(size, int) and size > limit:
         raise UpstreamError(f"the file is over {limit} bytes (SERVICE_MAX_ATTACHMENT_BYTES)")
     stem = _safe_stem(item)
-    path = attachment_path(f"{ATTACHMENTS}/inbox/{now:%Y-%m-%d}/{now:%H%M%S}-{stem}.{ext}")
+    inbox = inbox_attachments(request_principal())
+    path = attachment_path(f"{inbox}/{now:%Y-%m-%d}/{now:%H%M%S}-{stem}.{ext}")
 
     def download(f) -> None:
         prov.fetch(svc, channel["config"], item, f.write, limit)

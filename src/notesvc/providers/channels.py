@@ -17,7 +17,15 @@ from typing import Any, Callable
 
 from notesvc.boot import bottle, log
 from notesvc.errors import ApiError, bad_request, not_found, to_json
-from notesvc.grants import MADE_BY_OWNER, epoch_of, made_by_grant
+from notesvc.grants import (
+    MADE_BY_OWNER,
+    Principal,
+    acting_as,
+    epoch_of,
+    made_by,
+    made_by_grant,
+    request_principal,
+)
 from notesvc.helpers import is_blank, iso, key_hash, query_str, redact, scrub, utcnow
 from notesvc.notes.paths import DAILY_FOLDER, NOTES, folder_path
 from notesvc.providers.agent import ask_agent
@@ -585,10 +593,27 @@ def redact_channel(channel: dict, providers: Mapping[str, ChannelProvider]) -> d
     config = {
         k: (redact(v) if k in secret_fields and v else v) for k, v in channel["config"].items()
     }
-    shown = {k: v for k, v in channel.items() if k != "refusedSenders"}  # GET /channels/:id
+    shown = {k: v for k, v in channel.items() if k not in ("refusedSenders", "linkedChats")}
     if "binding" in shown:  # its code is never shown again: only until when it lives
         shown["binding"] = {"until": shown["binding"].get("until")}
+    if "links" in shown:  # people's codes that wait: whose, until when
+        shown["links"] = [{"person": x["person"], "until": x["until"]} for x in shown["links"]]
     return {**shown, "secret": redact(channel["secret"]), "config": config}
+
+
+def channel_chats(channel: dict, providers: Mapping[str, ChannelProvider]) -> list:
+    """Return whose each allowed chat of a channel is: [{chat, person}] (person null: the
+    owner's; a person's chat also has the name it was linked with)."""
+    provider = providers.get(channel["provider"])
+    if provider is None or not provider.allow:
+        return []
+    people = {c["chat"]: c for c in channel.get("linkedChats", [])}
+    return [
+        {"chat": chat, "person": people[chat]["person"], "name": people[chat]["name"]}
+        if chat in people
+        else {"chat": chat, "person": None}
+        for chat in channel["config"].get(provider.allow) or []
+    ]
 
 
 # -- the channel pipeline: secret, lockout, parse, allowlist, command or agent, delivery --
@@ -722,6 +747,11 @@ def note_chat_makers(channel: dict, prov: ChannelProvider | None, before: list, 
         channel["chatMakers"] = makers
     else:
         channel.pop("chatMakers", None)
+    linked = [c for c in channel.get("linkedChats", []) if c["chat"] in now]
+    if linked:  # a person's chat taken off the allowlist is no longer theirs
+        channel["linkedChats"] = linked
+    else:
+        channel.pop("linkedChats", None)
 
 
 def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
@@ -737,6 +767,11 @@ def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
             waiting = binding is not None and binding.get("createdBy") in gone
             if prov is None or not prov.allow:
                 continue
+            links = [x for x in channel.get("links", []) if x.get("createdBy") not in gone]
+            if len(links) < len(channel.get("links", [])):  # people's codes they asked for
+                channel["links"] = links
+                if not links:
+                    del channel["links"]
             makers = channel.get("chatMakers") or {}
             dropped = [c for c, m in makers.items() if m in gone]
             if not dropped and not waiting:
@@ -747,6 +782,11 @@ def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
             note_chat_makers(channel, prov, kept, MADE_BY_OWNER)
             if (channel.get("boundChat") or {}).get("id") in dropped:
                 channel.pop("boundChat")
+            linked = [c for c in channel.get("linkedChats", []) if c["chat"] not in dropped]
+            if len(linked) < len(channel.get("linkedChats", [])):
+                channel["linkedChats"] = linked
+                if not linked:
+                    del channel["linkedChats"]
             if waiting:
                 channel.pop("binding")
             if (allowed or waiting) and not kept:  # nobody now, never anybody
@@ -791,14 +831,151 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
     bound = {"id": printable(sender), "name": printable(name or ""), "at": iso(utcnow())}
 
     def apply(channels: list, i: int) -> None:
-        maker = (channels[i].pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
-        channels[i]["config"][prov.allow] = [bound["id"]]
-        channels[i].pop("chatMakers", None)
-        note_chat_makers(channels[i], prov, [], maker)
-        channels[i]["boundChat"] = bound
+        ch = channels[i]
+        maker = (ch.pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
+        # the owner's chats are replaced; the people's stay theirs (this one becomes the owner's)
+        linked = [c for c in ch.get("linkedChats", []) if c["chat"] != bound["id"]]
+        kept = [c for c in ch["config"].get(prov.allow) or [] if c in {x["chat"] for x in linked}]
+        makers = {c: m for c, m in (ch.get("chatMakers") or {}).items() if c in kept}
+        ch["config"][prov.allow] = [bound["id"], *kept]
+        ch["chatMakers"] = makers
+        note_chat_makers(ch, prov, kept, maker)
+        linked = [c for c in linked if c["chat"] in kept]
+        if linked:
+            ch["linkedChats"] = linked
+        else:
+            ch.pop("linkedChats", None)
+        ch["boundChat"] = bound
 
     change_channel(svc, channel["id"], apply)
     log.info("channel %s: bound to chat %s", channel["id"], bound["id"])
+
+
+# -- a person's chats: linked by a code the person asked for, acting as that person -------
+#
+# A channel's `links` are the codes keys asked for (POST /channels/:id/link: one each
+# waiting, ten minutes, once); the chat that sends one joins the allowlist as the chat of
+# that key's person (`linkedChats: [{chat, person, name, at}]`; person null: the owner's),
+# and in `chatMakers` the grant that asked, so the chat ends with that grant. What such a
+# chat sends acts as that grant: a person's reach and places; every other allowed chat is
+# the owner's.
+
+LINKED_TEXT = (
+    "Connected to {name}'s notes: what you send here goes to {home}. /save <text> keeps it "
+    "in today's note; /help lists the rest."
+)
+
+
+def new_link(principal: Principal) -> tuple:
+    """Return (a code a chat sends the bot, the record kept of it: its hash, until when,
+    whose (a person's id, or None: the owner's), which grant asked)."""
+    code, binding = new_binding(made_by(principal))
+    return code, {**binding, "person": principal.person or None}
+
+
+def live_links(channel: dict) -> list:
+    return [x for x in channel.get("links", []) if epoch_of(x.get("until")) > time.time()]
+
+
+def link_of(channel: dict, text: str) -> dict | None:
+    """Return the person's link whose live code a message is (as binds() reads it)."""
+    return next((x for x in live_links(channel) if binds(x, text)), None)
+
+
+def link_chat(svc: Service, channel: dict, prov: ChannelProvider, sender, name, link) -> dict:
+    """Make the chat that sent a person's code theirs: on the allowlist beside the others,
+    linked to the person and ended with the grant that asked (the code is used up)."""
+    chat = {"chat": printable(sender), "person": link["person"], "name": printable(name or "")}
+    chat["at"] = iso(utcnow())
+
+    def apply(channels: list, i: int) -> dict:
+        ch = channels[i]
+        ch["links"] = [x for x in live_links(ch) if x["codeHash"] != link["codeHash"]]
+        if not ch["links"]:
+            del ch["links"]
+        allowed = list(ch["config"].get(prov.allow) or [])
+        ch["config"][prov.allow] = allowed + [chat["chat"]] * (chat["chat"] not in allowed)
+        makers = {**(ch.get("chatMakers") or {}), chat["chat"]: link["createdBy"]}
+        ch["chatMakers"] = {c: m for c, m in makers.items() if made_by_grant(m)}
+        others = [c for c in ch.get("linkedChats", []) if c["chat"] != chat["chat"]]
+        ch["linkedChats"] = [*others, chat]
+        return ch
+
+    changed = change_channel(svc, channel["id"], apply)
+    log.info("channel %s: chat %s linked to %s", channel["id"], chat["chat"], link["person"])
+    return changed
+
+
+def unlink_chats(channel: dict, prov: ChannelProvider, person: str | None) -> list:
+    """Take a person's chats off a channel (None: those the owner's keys linked), and their
+    codes that wait; return the chats. A channel left with no allowed chat is closed,
+    never opened to anyone."""
+    mine = [c["chat"] for c in channel.get("linkedChats", []) if c["person"] == person]
+    waiting = any(x["person"] == person for x in channel.get("links", []))
+    if waiting:
+        channel["links"] = [x for x in channel["links"] if x["person"] != person]
+        if not channel["links"]:
+            del channel["links"]
+    if not mine:
+        return []
+    allowed = channel["config"].get(prov.allow) or []
+    kept = [c for c in allowed if c not in mine]
+    channel["config"][prov.allow] = kept
+    makers = {c: m for c, m in (channel.get("chatMakers") or {}).items() if c not in mine}
+    channel["chatMakers"] = makers
+    if not makers:
+        del channel["chatMakers"]
+    channel["linkedChats"] = [c for c in channel["linkedChats"] if c["person"] != person]
+    if not channel["linkedChats"]:
+        del channel["linkedChats"]
+    if allowed and not kept:  # nobody now, never anybody
+        channel["binding"] = {"until": iso(time.time())}
+    return mine
+
+
+def unlink_person(providers: Mapping[str, ChannelProvider]) -> Callable:
+    """Return the PeopleStore.on_remove hook: a person removed, their chats go with them
+    (in the removal's own state change)."""
+
+    def unlink(data: dict, person: str) -> None:
+        for channel in data.get("channels", []):
+            prov = providers.get(channel["provider"])
+            if prov is not None and prov.allow:
+                for chat in unlink_chats(channel, prov, person):
+                    log.info("channel %s: chat %s unlinked (its person left)", channel["id"], chat)
+
+    return unlink
+
+
+def chat_principal(svc: Service, channel: dict, sender: str) -> tuple:
+    """Return (whether a chat acts for a key, the principal it acts for): the grant that
+    linked it, as it is now (a person's reach as shared now); (False, None) for the
+    owner's chats (linked by the owner's own key too); (True, None) for a chat whose grant
+    ended just now (it acts for nobody)."""
+    linked = any(c["chat"] == sender for c in channel.get("linkedChats", []))
+    maker = (channel.get("chatMakers") or {}).get(sender)
+    if not linked or maker is None:
+        return False, None
+    found = svc.grants.principal_by_id(maker)
+    who = found if found is None or not found.grant_id else svc.grants.current(found.grant_id)
+    if who is None or not (who.whole or who.reach.folders):
+        return True, None
+    return True, who
+
+
+def person_channel(channel: dict, person: str | None) -> dict:
+    """Return a channel as a person sees it: what it is, whether a chat of theirs can join
+    it, and their own chats only (never its config, secret, or anyone else's chat)."""
+    mine = [
+        {k: c[k] for k in ("chat", "name", "at")}
+        for c in channel.get("linkedChats", [])
+        if c["person"] == person
+    ]
+    waiting = [x["until"] for x in live_links(channel) if x["person"] == person]
+    shown = {k: channel[k] for k in ("id", "provider", "name", "enabled") if k in channel}
+    if channel.get("bot"):
+        shown["bot"] = channel["bot"]
+    return {**shown, "chats": mine, "linkUntil": waiting[0] if waiting else None}
 
 
 def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
@@ -848,8 +1025,8 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
     if command == "search":
         if not arg:
             return "Usage: /search <words>"
-        try:
-            total, hits = svc.index.search(Query(arg), "", 5, 0)
+        try:  # a person's chat: their reach (the owner's: every note)
+            total, hits = svc.index.search(Query(arg), request_principal().folders, 5, 0)
         except ApiError as e:
             return f"Search: {e.message}"
         if not total:
@@ -872,7 +1049,7 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
     elif command is not None:
         return f"Unknown command /{command}.\n{HELP_TEXT}"
     try:
-        return ask_agent(svc, arg)["reply"]
+        return ask_agent(svc, arg, folder=request_principal().folders)["reply"]
     except ApiError as e:
         if e.code == "AGENT_DISABLED":
             return "The agent is off on this server; try /search <words>."
@@ -899,14 +1076,35 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             results.append(_deliver(svc, channel, prov, sender, BOUND_TEXT))
             binding = allowed = None
             continue
-        if (binding and not allowed) or (allowed is not None and sender not in allowed):
+        link = link_of(channel, text) if prov.allow else None
+        if link is not None:  # a key's code: this chat is its person's from now on
+            channel = link_chat(svc, channel, prov, sender, name, link)
+            person = svc.people.get(link["person"])
+            reply = (
+                LINKED_TEXT.format(name=person["name"], home=person["home"])
+                if person
+                else BOUND_TEXT
+            )
+            results.append(_deliver(svc, channel, prov, sender, reply))
+            allowed, binding = allowed_senders(svc, channel, prov), channel.get("binding")
+            continue
+        mine, who = chat_principal(svc, channel, sender)
+        if (
+            (binding and not allowed)
+            or (allowed is not None and sender not in allowed)
+            or (mine and who is None)
+        ):
             refuse_sender(svc, channel, prov, sender, name)
             results.append({"handled": False, "reason": "sender not allowed"})
             continue
-        if media:
-            reply = capture_media(svc, channel, prov, media, text)
-        else:
-            reply = run_command(svc, text.strip(), channel)
+        with acting_as(who, channel.get("name") or prov.name) if who else contextlib.nullcontext():
+            try:
+                if media:
+                    reply = capture_media(svc, channel, prov, media, text)
+                else:
+                    reply = run_command(svc, text.strip(), channel)
+            except ApiError as e:  # a full disk, a place this chat may not write
+                reply = f"That did not work: {e.message}"
         results.append(_deliver(svc, channel, prov, sender, reply))
     if len(results) == 1:
         return results[0]

@@ -68,9 +68,17 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
     return found
 
 
+def chats_of(channel: dict, allowed: list, person: str) -> list:
+    """Return the chats of a channel's live ones (`allowed`) that are a person's ("": the
+    owner's, those linked to nobody)."""
+    linked = {c["chat"]: c["person"] for c in channel.get("linkedChats", [])}
+    return [chat for chat in allowed if (linked.get(chat) or "") == person]
+
+
 class ReminderScheduler:
     """Reminders written in the notes, sent once through every enabled channel with
-    config.notify true (to the senders on its allowlist).
+    config.notify true (to the senders on its allowlist): a note in a person's home to
+    that person's chats, any other note (a shared folder's too) to the owner's.
 
     The notes are read through the index (re-read when a note changes: an edit or a
     delete cancels); what was sent and what was scheduled is kept in
@@ -281,11 +289,12 @@ class ReminderScheduler:
             f"{r['line']}\n{r['path']}"
         )
         sent = tried = 0
+        person = svc.people.holder(r["path"])  # a note in a person's home: their chats only
         for channel in channels_of(svc):
             prov = svc.channel_providers.get(channel["provider"])
             if not (prov and prov.send and channel["enabled"] and channel["config"].get("notify")):
                 continue
-            for to in allowed_senders(svc, channel, prov) or []:  # live chats only
+            for to in chats_of(channel, allowed_senders(svc, channel, prov) or [], person):
                 tried += 1
                 try:
                     prov.send(svc, channel["config"], to, text)
@@ -294,8 +303,10 @@ class ReminderScheduler:
                     log.warning("channel %s: a reminder was not delivered: %s", channel["id"], e)
         if not tried:
             log.warning(
-                "reminder in %s is due, but no enabled channel has notify: true and an allowlist",
+                "reminder in %s is due, but no enabled channel has notify: true and an "
+                "allowlist with a chat of %s",
                 r["path"],
+                "its person" if person else "the owner",
             )
         else:
             log.info("reminder in %s sent (%d of %d)%s", r["path"], sent, tried, " late" * late)
