@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 
 from notesvc.boot import KEY_HEADER, __version__, bottle
 from notesvc.errors import ERROR_CODES, JSON_TYPE, to_json
-from notesvc.grants import OAUTH_SCOPES, SCOPES
+from notesvc.grants import SCOPES
 from notesvc.helpers import NOT_BLANK_PATTERN
 from notesvc.http.access import (
     approve_oauth,
@@ -127,6 +127,7 @@ from notesvc.notes.paths import (
     NOTE_PATH_SCHEMA,
 )
 from notesvc.notes.trash import TRASH_ID_RE
+from notesvc.oauth import OAUTH_SCOPES
 from notesvc.providers.base import MAX_MESSAGE_CHARS
 from notesvc.providers.channels import MAX_CONFIG_CHARS, ChannelProvider, ConfigField
 from notesvc.search.text import MAX_QUERY_CHARS
