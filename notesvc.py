@@ -13387,6 +13387,25 @@ class GrantStore:
         """Return (the pairing's record, its one-time secret): 128 random bits, kept only
         as their SHA-256, good once within ttl seconds, and only while the grant that made
         it (created_by, when not "owner" or "cli") is live."""
+        pairing, secret = self.pairing_record(
+            name, scope, folder, ttl, created_by=created_by, person=person
+        )
+        record = self.state.update(lambda data: self.add_pairing(data, pairing))
+        self.log_pairing(record)
+        return record, secret
+
+    def pairing_record(
+        self,
+        name: str,
+        scope: str,
+        folder: str | None,
+        ttl: int,
+        *,
+        created_by: str,
+        person: str = "",
+    ) -> tuple:
+        """Return (a new pairing, its one-time secret), not yet stored: add_pairing stores
+        it, in the state change that makes it or in a larger one (a person and theirs)."""
         secret = base64.b32encode(secrets.token_bytes(16)).decode("ascii").lower().rstrip("=")
         now = self.clock()
         pairing = {
@@ -13401,23 +13420,33 @@ class GrantStore:
         }
         if person:
             pairing["person"] = person
+        return pairing, secret
 
-        def change(data: dict) -> None:
-            self._check_maker(data, created_by, now)
-            live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
-            if person and not any(p["id"] == person for p in data.get("people", [])):
-                raise not_found(f"no person {person}")  # removed meanwhile
-            # the owner's and the people's wait apart: adding people never blocks the owner
-            mine = [p for p in live if bool(p.get("person")) == bool(person)]
-            if len(mine) >= MAX_PAIRINGS:
-                raise ApiError(
-                    409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
-                )
-            data["pairings"] = [*live, pairing]
+    def add_pairing(self, data: dict, pairing: dict) -> dict:
+        """Store a pairing (of pairing_record) in the state `data`, inside a state change;
+        return its record without the secret's hash. 401 once its maker is revoked, 404
+        for a person removed meanwhile, 409 at MAX_PAIRINGS waiting."""
+        now, person = self.clock(), pairing.get("person", "")
+        self._check_maker(data, pairing["createdBy"], now)
+        live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
+        if person and not any(p["id"] == person for p in data.get("people", [])):
+            raise not_found(f"no person {person}")  # removed meanwhile
+        # the owner's and the people's wait apart: adding people never blocks the owner
+        mine = [p for p in live if bool(p.get("person")) == bool(person)]
+        if len(mine) >= MAX_PAIRINGS:
+            raise ApiError(
+                409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
+            )
+        data["pairings"] = [*live, pairing]
+        return {k: v for k, v in pairing.items() if k != "secretHash"}
 
-        self.state.update(change)
-        log.info("pairing %s (%s%s) made", pairing["id"], scope, f" {folder}" if folder else "")
-        return {k: v for k, v in pairing.items() if k != "secretHash"}, secret
+    @staticmethod
+    def log_pairing(record: dict) -> None:
+        """Log a pairing made (once its state change is written)."""
+        folder = record["folder"]
+        log.info(
+            "pairing %s (%s%s) made", record["id"], record["scope"], f" {folder}" if folder else ""
+        )
 
     def claim(self, secret: str, device_name: str) -> tuple | None:
         """Return (the new device's record, its key) for a live pairing's secret, which is
@@ -14117,10 +14146,13 @@ class PeopleStore:
 
     # -- adding, renaming, removing -----------------------------------------------------
 
-    def add(self, raw_name: Any, raw_home: Any, *, created_by: str) -> dict:
+    def add(
+        self, raw_name: Any, raw_home: Any, *, created_by: str, then: Callable | None = None
+    ) -> dict:
         """Add a person with a home folder (notes/<name>, or `raw_home` when given: a folder
         under notes/ that does not exist and lies in no other home); return them. 409 for a
-        taken name or home, or at MAX_PEOPLE."""
+        taken name or home, or at MAX_PEOPLE. then(data, person), when given, runs in the
+        same state change (their first pairing): one write, and its refusal adds no one."""
         name = person_name(raw_name)
         home = f"{NOTES}/{name}" if raw_home is None else folder_path(raw_home)
         if home == NOTES or not home.startswith(NOTES + "/"):
@@ -14152,6 +14184,8 @@ class PeopleStore:
                     "free folder for them",
                 )
             people.append(person)
+            if then is not None:
+                then(data, person)
             return person
 
         self.state.update(change)
@@ -38754,7 +38788,12 @@ def new_pairing(
     record, secret = grants.create_pairing(
         name, scope, folder, config.pairing_ttl, created_by=created_by, person=person
     )
-    origin, via = pairing_origin(config, grants.state.read(), environ)
+    return pairing_answer(config, grants.state.read(), environ, record, secret)
+
+
+def pairing_answer(config: Config, state: dict, environ, record: dict, secret: str) -> dict:
+    """Return a stored pairing's answer: its record, secret, link, origin, via[, qrSvg]."""
+    origin, via = pairing_origin(config, state, environ)
     url = f"{origin}/#pair={secret}"
     answer = {**record, "secret": secret, "url": url, "origin": origin, "via": via}
     svg = qr_svg(url)
@@ -42741,12 +42780,27 @@ def add_person(svc: Service) -> dict:
     device (admin for their own things, ten minutes, once)."""
     body = read_json(svc.config.max_body_bytes)
     who = request_principal()
-    person = svc.people.add(body.get("name"), body.get("home"), created_by=made_by(who))
-    env = bottle.request.environ
-    name = clean_name(f"{person['name']}'s first device", "device")
-    pairing = new_pairing(
-        svc.config, svc.grants, name, "admin", None, env, made_by(who), person["id"]
+    made: dict = {}
+
+    def first_device(data: dict, person: dict) -> None:  # in the same state write
+        name = clean_name(f"{person['name']}'s first device", "device")
+        record, secret = svc.grants.pairing_record(
+            name,
+            "admin",
+            None,
+            svc.config.pairing_ttl,
+            created_by=made_by(who),
+            person=person["id"],
+        )
+        made["record"], made["secret"] = svc.grants.add_pairing(data, record), secret
+
+    person = svc.people.add(
+        body.get("name"), body.get("home"), created_by=made_by(who), then=first_device
     )
+    svc.grants.log_pairing(made["record"])
+    env = bottle.request.environ
+    state = svc.state.read()
+    pairing = pairing_answer(svc.config, state, env, made["record"], made["secret"])
     bottle.response.status = 201
     return {"person": PeopleStore.public(person), "pairing": pairing}
 

@@ -754,6 +754,25 @@ class GrantStore:
         """Return (the pairing's record, its one-time secret): 128 random bits, kept only
         as their SHA-256, good once within ttl seconds, and only while the grant that made
         it (created_by, when not "owner" or "cli") is live."""
+        pairing, secret = self.pairing_record(
+            name, scope, folder, ttl, created_by=created_by, person=person
+        )
+        record = self.state.update(lambda data: self.add_pairing(data, pairing))
+        self.log_pairing(record)
+        return record, secret
+
+    def pairing_record(
+        self,
+        name: str,
+        scope: str,
+        folder: str | None,
+        ttl: int,
+        *,
+        created_by: str,
+        person: str = "",
+    ) -> tuple:
+        """Return (a new pairing, its one-time secret), not yet stored: add_pairing stores
+        it, in the state change that makes it or in a larger one (a person and theirs)."""
         secret = base64.b32encode(secrets.token_bytes(16)).decode("ascii").lower().rstrip("=")
         now = self.clock()
         pairing = {
@@ -768,23 +787,33 @@ class GrantStore:
         }
         if person:
             pairing["person"] = person
+        return pairing, secret
 
-        def change(data: dict) -> None:
-            self._check_maker(data, created_by, now)
-            live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
-            if person and not any(p["id"] == person for p in data.get("people", [])):
-                raise not_found(f"no person {person}")  # removed meanwhile
-            # the owner's and the people's wait apart: adding people never blocks the owner
-            mine = [p for p in live if bool(p.get("person")) == bool(person)]
-            if len(mine) >= MAX_PAIRINGS:
-                raise ApiError(
-                    409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
-                )
-            data["pairings"] = [*live, pairing]
+    def add_pairing(self, data: dict, pairing: dict) -> dict:
+        """Store a pairing (of pairing_record) in the state `data`, inside a state change;
+        return its record without the secret's hash. 401 once its maker is revoked, 404
+        for a person removed meanwhile, 409 at MAX_PAIRINGS waiting."""
+        now, person = self.clock(), pairing.get("person", "")
+        self._check_maker(data, pairing["createdBy"], now)
+        live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
+        if person and not any(p["id"] == person for p in data.get("people", [])):
+            raise not_found(f"no person {person}")  # removed meanwhile
+        # the owner's and the people's wait apart: adding people never blocks the owner
+        mine = [p for p in live if bool(p.get("person")) == bool(person)]
+        if len(mine) >= MAX_PAIRINGS:
+            raise ApiError(
+                409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
+            )
+        data["pairings"] = [*live, pairing]
+        return {k: v for k, v in pairing.items() if k != "secretHash"}
 
-        self.state.update(change)
-        log.info("pairing %s (%s%s) made", pairing["id"], scope, f" {folder}" if folder else "")
-        return {k: v for k, v in pairing.items() if k != "secretHash"}, secret
+    @staticmethod
+    def log_pairing(record: dict) -> None:
+        """Log a pairing made (once its state change is written)."""
+        folder = record["folder"]
+        log.info(
+            "pairing %s (%s%s) made", record["id"], record["scope"], f" {folder}" if folder else ""
+        )
 
     def claim(self, secret: str, device_name: str) -> tuple | None:
         """Return (the new device's record, its key) for a live pairing's secret, which is

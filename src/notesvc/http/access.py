@@ -194,7 +194,12 @@ def new_pairing(
     record, secret = grants.create_pairing(
         name, scope, folder, config.pairing_ttl, created_by=created_by, person=person
     )
-    origin, via = pairing_origin(config, grants.state.read(), environ)
+    return pairing_answer(config, grants.state.read(), environ, record, secret)
+
+
+def pairing_answer(config: Config, state: dict, environ, record: dict, secret: str) -> dict:
+    """Return a stored pairing's answer: its record, secret, link, origin, via[, qrSvg]."""
+    origin, via = pairing_origin(config, state, environ)
     url = f"{origin}/#pair={secret}"
     answer = {**record, "secret": secret, "url": url, "origin": origin, "via": via}
     svg = qr_svg(url)
