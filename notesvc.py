@@ -38,6 +38,8 @@ data flows, each with the first line of its docstring:
                           semantic pass.
   search/hybrid.py        Hybrid search: by meaning and by words, fused; a note's related notes.
   auth.py                 state.json, keys, JWT and the lockout.
+  oauth.py                OAuth's wire rules for MCP connectors, apart from the grants they lead to
+                          (grants.py).
   grants.py               Grants: who a request acts for (scoped keys, devices, OAuth) and how far
                           it may go.
   people.py               People on one server: each with a home folder, and the folders shared
@@ -12562,6 +12564,200 @@ class RateLimit:
             return 0
 
 
+# == src/notesvc/oauth.py =====================================================
+# OAuth's wire rules for MCP connectors, apart from the grants they lead to (grants.py).
+
+OAUTH_SCOPES = ("notes:read", "notes:write")
+PKCE_RE = re.compile(r"^[A-Za-z0-9._~-]{43,128}\Z")  # a verifier (RFC 7636 4.1)
+CIMD_TIMEOUT, CIMD_MAX_BYTES = 5.0, 65536  # a client's metadata document: time, bytes
+
+
+class OAuthError(Exception):
+    """An OAuth failure, answered in OAuth's own JSON (RFC 6749 5.2, RFC 7591 3.2.2)."""
+
+    def __init__(self, error: str, description: str, status: int = 400, headers=None):
+        super().__init__(description)
+        self.error, self.description, self.status = error, description, status
+        self.headers = headers or {}
+
+
+def check_redirect_uri(uri: Any) -> str:
+    """Return a redirect URI a client may register: https, or http on a loopback host."""
+    if not isinstance(uri, str) or not uri or len(uri) > 2000:
+        raise OAuthError("invalid_redirect_uri", "a redirect URI is a URL of 1-2000 characters")
+    if any(ch.isspace() or not ch.isprintable() for ch in uri):
+        raise OAuthError("invalid_redirect_uri", "a redirect URI holds no spaces or controls")
+    parts = urllib.parse.urlsplit(uri)
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise OAuthError("invalid_redirect_uri", "the redirect URI has a bad port") from None
+    host = parts.hostname or ""
+    if "#" in uri or parts.username is not None or parts.password is not None or not host:
+        raise OAuthError(
+            "invalid_redirect_uri", "a redirect URI has a host and no #fragment or user info"
+        )
+    if parts.scheme == "https" or (
+        parts.scheme == "http" and (host == "localhost" or is_loopback(host))
+    ):
+        return uri
+    raise OAuthError(
+        "invalid_redirect_uri", "a redirect URI must be https, or http on a loopback host"
+    )
+
+
+def redirect_matches(registered: Iterable[str], uri: str) -> bool:
+    """Return whether uri is registered: exactly, or on loopback with any port (RFC 8252)."""
+    if uri in registered:
+        return True
+    p = urllib.parse.urlsplit(uri)
+    host = p.hostname or ""
+    if p.scheme != "http" or not (host == "localhost" or is_loopback(host)):
+        return False
+    return any(
+        (q.scheme, q.hostname, q.path, q.query) == ("http", host, p.path, p.query)
+        for q in map(urllib.parse.urlsplit, registered)
+    )
+
+
+def parse_oauth_scope(text: Any) -> str:
+    """Return the grant scope ("read" or "write") an OAuth scope string asks for; unknown
+    scopes are ignored (RFC 6749 3.3 lets the server grant less)."""
+    words = set(str(text or "").split())
+    return "write" if "notes:write" in words else "read"
+
+
+def pkce_matches(verifier: str, challenge: str) -> bool:
+    """Return whether BASE64URL(SHA-256(verifier)) is the challenge (S256, RFC 7636)."""
+    if not PKCE_RE.match(verifier or ""):
+        return False
+    digest = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=")
+    return hmac.compare_digest(digest, challenge.encode())
+
+
+def mcp_challenge(mcp_url: str, error: str = "") -> str:
+    """Return the WWW-Authenticate value of a 401 on the MCP endpoint (RFC 9728 5.1): the
+    metadata URL is the MCP URL's origin, the well-known name, then the MCP URL's path."""
+    parts = urllib.parse.urlsplit(mcp_url)
+    meta = f"{parts.scheme}://{parts.netloc}/.well-known/oauth-protected-resource{parts.path}"
+    extra = f', error="{error}"' if error else ""
+    return f'Bearer resource_metadata="{meta}", scope="{OAUTH_SCOPES[0]}"{extra}'
+
+
+def public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Return whether an address is on the public internet (not loopback, private,
+    link-local, multicast, reserved or unspecified), IPv4-mapped IPv6 unwrapped."""
+    if ip.version == 6 and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not (
+        ip.is_loopback
+        or ip.is_private
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+    )
+
+
+def fetch_client_metadata(
+    url: str,
+    resolve: Callable = socket.getaddrinfo,
+    allow: Callable = public_address,
+    context: Any = None,
+    timeout: float = CIMD_TIMEOUT,
+    limit: int = CIMD_MAX_BYTES,
+) -> dict:
+    """Return the JSON object a Client ID Metadata Document URL serves, fetched safely.
+
+    https only; the host's every address must pass `allow` after DNS resolution, and the
+    connection goes to the address checked (no second lookup a rebinding host could
+    answer differently); redirects are not followed; `timeout` seconds in all and `limit`
+    bytes at most. Raises ValueError saying why not.
+    """
+    import http.client  # outbound calls only: kept off the start-up path
+    import ssl
+
+    parts = urllib.parse.urlsplit(url)
+    if (
+        parts.scheme != "https"
+        or not parts.hostname
+        or parts.username is not None
+        or parts.fragment
+        or parts.path in ("", "/")
+    ):
+        raise ValueError("a client_id URL must be https, with a path and no user or #fragment")
+    try:
+        port = parts.port or 443
+        infos = resolve(parts.hostname, port, type=socket.SOCK_STREAM)
+        addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    except (OSError, UnicodeError, ValueError):
+        raise ValueError(f"{parts.hostname} does not resolve") from None
+    refused = [ip for ip in addrs if not allow(ip)]
+    if not addrs or refused:
+        shown = refused[0] if refused else "nothing"
+        raise ValueError(f"{parts.hostname} resolves to {shown}, which is not a public address")
+    deadline, opened = time.monotonic() + timeout, []
+
+    class Pinned(http.client.HTTPSConnection):
+        def connect(self) -> None:  # to the address checked; TLS still names the host
+            sock = socket.create_connection((str(addrs[0]), self.port), timeout)
+            self.sock = self._context.wrap_socket(
+                sock, server_hostname=self.host, do_handshake_on_connect=False
+            )
+            opened.append(self.sock)  # the response keeps it after the connection lets go
+            self.sock.do_handshake()
+
+    conn = Pinned(
+        parts.hostname, port, timeout=timeout, context=context or ssl.create_default_context()
+    )
+    expired = threading.Event()
+
+    def cut() -> None:  # the socket's time-out bounds each read; this, the whole fetch
+        expired.set()
+        for sock in opened:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(timeout, cut)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        target = urllib.parse.urlunsplit(("", "", parts.path, parts.query, ""))
+        conn.request("GET", target, headers={"Accept": "application/json"})
+        resp = conn.getresponse()
+        if 300 <= resp.status < 400:
+            raise ValueError(f"it answered a redirect (HTTP {resp.status}); none is followed")
+        if resp.status != 200:
+            raise ValueError(f"it answered HTTP {resp.status}")
+        raw = b""
+        while len(raw) <= limit:
+            if time.monotonic() > deadline:
+                raise ValueError(f"it took over {timeout:g} s")
+            chunk = resp.read(min(16384, limit + 1 - len(raw)))
+            if not chunk:
+                break
+            raw += chunk
+        if len(raw) > limit:
+            raise ValueError(f"it is over {limit} bytes")
+    except (OSError, http.client.HTTPException, ssl.SSLError) as e:
+        if expired.is_set():
+            raise ValueError(f"it took over {timeout:g} s") from None
+        reason = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
+        raise ValueError(f"it could not be fetched ({reason})") from None
+    finally:
+        watchdog.cancel()
+        conn.close()
+    if expired.is_set():  # cut short: what arrived is not the document
+        raise ValueError(f"it took over {timeout:g} s")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("it is not JSON") from None
+    if not isinstance(doc, dict):
+        raise ValueError("it is not a JSON object")
+    return doc
+
+
 # == src/notesvc/grants.py ====================================================
 # Grants: who a request acts for (scoped keys, devices, OAuth) and how far it may go.
 
@@ -12581,7 +12777,6 @@ DEVICE_KEY_PREFIX = "nsd_"  # a device's key, from a pairing it claimed (docs/ap
 MAX_PAIRINGS = 50  # pairings waiting to be claimed at once
 PAIRING_SECRET_RE = re.compile(r"^[a-z2-7]{26}\Z")  # 128 bits, base32: typed in groups of 4
 ACCESS_PREFIX, REFRESH_PREFIX, CODE_PREFIX = "nsa_", "nsr_", "nsc_"
-OAUTH_SCOPES = ("notes:read", "notes:write")
 OAUTH_SCOPE_OF = {"read": "notes:read", "write": "notes:read notes:write"}
 ACCESS_LIFETIME = 3600  # seconds an OAuth access token lives
 CODE_LIFETIME = 60  # seconds an authorisation code may be redeemed in (once)
@@ -12595,9 +12790,8 @@ MAX_SHARES = 1000
 MAX_CODES = 1000  # authorisation codes outstanding
 LAST_USED_FLUSH = 300.0  # seconds between writes of the grants' lastUsedAt
 SHARE_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{22}\Z")  # 16 random bytes: 128 bits
-PKCE_RE = re.compile(r"^[A-Za-z0-9._~-]{43,128}\Z")  # a verifier (RFC 7636 4.1)
 CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_-]{43}\Z")  # BASE64URL(SHA-256(verifier))
-CIMD_TIMEOUT, CIMD_MAX_BYTES, CIMD_CACHE_SECONDS = 5.0, 65536, 3600.0
+CIMD_CACHE_SECONDS = 3600.0
 
 
 def lower_scope(a: str, b: str) -> str:
@@ -13036,192 +13230,6 @@ def clean_name(text: Any, fallback: str, limit: int = 100) -> str:
     return name or fallback
 
 
-class OAuthError(Exception):
-    """An OAuth failure, answered in OAuth's own JSON (RFC 6749 5.2, RFC 7591 3.2.2)."""
-
-    def __init__(self, error: str, description: str, status: int = 400, headers=None):
-        super().__init__(description)
-        self.error, self.description, self.status = error, description, status
-        self.headers = headers or {}
-
-
-def check_redirect_uri(uri: Any) -> str:
-    """Return a redirect URI a client may register: https, or http on a loopback host."""
-    if not isinstance(uri, str) or not uri or len(uri) > 2000:
-        raise OAuthError("invalid_redirect_uri", "a redirect URI is a URL of 1-2000 characters")
-    if any(ch.isspace() or not ch.isprintable() for ch in uri):
-        raise OAuthError("invalid_redirect_uri", "a redirect URI holds no spaces or controls")
-    parts = urllib.parse.urlsplit(uri)
-    try:
-        parts.port  # noqa: B018 - raises on a bad port
-    except ValueError:
-        raise OAuthError("invalid_redirect_uri", "the redirect URI has a bad port") from None
-    host = parts.hostname or ""
-    if "#" in uri or parts.username is not None or parts.password is not None or not host:
-        raise OAuthError(
-            "invalid_redirect_uri", "a redirect URI has a host and no #fragment or user info"
-        )
-    if parts.scheme == "https" or (
-        parts.scheme == "http" and (host == "localhost" or is_loopback(host))
-    ):
-        return uri
-    raise OAuthError(
-        "invalid_redirect_uri", "a redirect URI must be https, or http on a loopback host"
-    )
-
-
-def redirect_matches(registered: Iterable[str], uri: str) -> bool:
-    """Return whether uri is registered: exactly, or on loopback with any port (RFC 8252)."""
-    if uri in registered:
-        return True
-    p = urllib.parse.urlsplit(uri)
-    host = p.hostname or ""
-    if p.scheme != "http" or not (host == "localhost" or is_loopback(host)):
-        return False
-    return any(
-        (q.scheme, q.hostname, q.path, q.query) == ("http", host, p.path, p.query)
-        for q in map(urllib.parse.urlsplit, registered)
-    )
-
-
-def parse_oauth_scope(text: Any) -> str:
-    """Return the grant scope ("read" or "write") an OAuth scope string asks for; unknown
-    scopes are ignored (RFC 6749 3.3 lets the server grant less)."""
-    words = set(str(text or "").split())
-    return "write" if "notes:write" in words else "read"
-
-
-def pkce_matches(verifier: str, challenge: str) -> bool:
-    """Return whether BASE64URL(SHA-256(verifier)) is the challenge (S256, RFC 7636)."""
-    if not PKCE_RE.match(verifier or ""):
-        return False
-    digest = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=")
-    return hmac.compare_digest(digest, challenge.encode())
-
-
-def mcp_challenge(mcp_url: str, error: str = "") -> str:
-    """Return the WWW-Authenticate value of a 401 on the MCP endpoint (RFC 9728 5.1): the
-    metadata URL is the MCP URL's origin, the well-known name, then the MCP URL's path."""
-    parts = urllib.parse.urlsplit(mcp_url)
-    meta = f"{parts.scheme}://{parts.netloc}/.well-known/oauth-protected-resource{parts.path}"
-    extra = f', error="{error}"' if error else ""
-    return f'Bearer resource_metadata="{meta}", scope="{OAUTH_SCOPES[0]}"{extra}'
-
-
-def public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
-    """Return whether an address is on the public internet (not loopback, private,
-    link-local, multicast, reserved or unspecified), IPv4-mapped IPv6 unwrapped."""
-    if ip.version == 6 and ip.ipv4_mapped:
-        ip = ip.ipv4_mapped
-    return ip.is_global and not (
-        ip.is_loopback
-        or ip.is_private
-        or ip.is_link_local
-        or ip.is_multicast
-        or ip.is_reserved
-        or ip.is_unspecified
-    )
-
-
-def fetch_client_metadata(
-    url: str,
-    resolve: Callable = socket.getaddrinfo,
-    allow: Callable = public_address,
-    context: Any = None,
-    timeout: float = CIMD_TIMEOUT,
-    limit: int = CIMD_MAX_BYTES,
-) -> dict:
-    """Return the JSON object a Client ID Metadata Document URL serves, fetched safely.
-
-    https only; the host's every address must pass `allow` after DNS resolution, and the
-    connection goes to the address checked (no second lookup a rebinding host could
-    answer differently); redirects are not followed; `timeout` seconds in all and `limit`
-    bytes at most. Raises ValueError saying why not.
-    """
-    import http.client  # outbound calls only: kept off the start-up path
-    import ssl
-
-    parts = urllib.parse.urlsplit(url)
-    if (
-        parts.scheme != "https"
-        or not parts.hostname
-        or parts.username is not None
-        or parts.fragment
-        or parts.path in ("", "/")
-    ):
-        raise ValueError("a client_id URL must be https, with a path and no user or #fragment")
-    try:
-        port = parts.port or 443
-        infos = resolve(parts.hostname, port, type=socket.SOCK_STREAM)
-        addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
-    except (OSError, UnicodeError, ValueError):
-        raise ValueError(f"{parts.hostname} does not resolve") from None
-    refused = [ip for ip in addrs if not allow(ip)]
-    if not addrs or refused:
-        shown = refused[0] if refused else "nothing"
-        raise ValueError(f"{parts.hostname} resolves to {shown}, which is not a public address")
-    deadline, opened = time.monotonic() + timeout, []
-
-    class Pinned(http.client.HTTPSConnection):
-        def connect(self) -> None:  # to the address checked; TLS still names the host
-            sock = socket.create_connection((str(addrs[0]), self.port), timeout)
-            self.sock = self._context.wrap_socket(
-                sock, server_hostname=self.host, do_handshake_on_connect=False
-            )
-            opened.append(self.sock)  # the response keeps it after the connection lets go
-            self.sock.do_handshake()
-
-    conn = Pinned(
-        parts.hostname, port, timeout=timeout, context=context or ssl.create_default_context()
-    )
-    expired = threading.Event()
-
-    def cut() -> None:  # the socket's time-out bounds each read; this, the whole fetch
-        expired.set()
-        for sock in opened:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-
-    watchdog = threading.Timer(timeout, cut)
-    watchdog.daemon = True
-    watchdog.start()
-    try:
-        target = urllib.parse.urlunsplit(("", "", parts.path, parts.query, ""))
-        conn.request("GET", target, headers={"Accept": "application/json"})
-        resp = conn.getresponse()
-        if 300 <= resp.status < 400:
-            raise ValueError(f"it answered a redirect (HTTP {resp.status}); none is followed")
-        if resp.status != 200:
-            raise ValueError(f"it answered HTTP {resp.status}")
-        raw = b""
-        while len(raw) <= limit:
-            if time.monotonic() > deadline:
-                raise ValueError(f"it took over {timeout:g} s")
-            chunk = resp.read(min(16384, limit + 1 - len(raw)))
-            if not chunk:
-                break
-            raw += chunk
-        if len(raw) > limit:
-            raise ValueError(f"it is over {limit} bytes")
-    except (OSError, http.client.HTTPException, ssl.SSLError) as e:
-        if expired.is_set():
-            raise ValueError(f"it took over {timeout:g} s") from None
-        reason = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
-        raise ValueError(f"it could not be fetched ({reason})") from None
-    finally:
-        watchdog.cancel()
-        conn.close()
-    if expired.is_set():  # cut short: what arrived is not the document
-        raise ValueError(f"it took over {timeout:g} s")
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
-        raise ValueError("it is not JSON") from None
-    if not isinstance(doc, dict):
-        raise ValueError("it is not a JSON object")
-    return doc
-
-
 class GrantStore:
     """Grants (scoped keys, OAuth grants), OAuth clients and share links.
 
@@ -13459,6 +13467,25 @@ class GrantStore:
         """Return (the pairing's record, its one-time secret): 128 random bits, kept only
         as their SHA-256, good once within ttl seconds, and only while the grant that made
         it (created_by, when not "owner" or "cli") is live."""
+        pairing, secret = self.pairing_record(
+            name, scope, folder, ttl, created_by=created_by, person=person
+        )
+        record = self.state.update(lambda data: self.add_pairing(data, pairing))
+        self.log_pairing(record)
+        return record, secret
+
+    def pairing_record(
+        self,
+        name: str,
+        scope: str,
+        folder: str | None,
+        ttl: int,
+        *,
+        created_by: str,
+        person: str = "",
+    ) -> tuple:
+        """Return (a new pairing, its one-time secret), not yet stored: add_pairing stores
+        it, in the state change that makes it or in a larger one (a person and theirs)."""
         secret = base64.b32encode(secrets.token_bytes(16)).decode("ascii").lower().rstrip("=")
         now = self.clock()
         pairing = {
@@ -13473,23 +13500,33 @@ class GrantStore:
         }
         if person:
             pairing["person"] = person
+        return pairing, secret
 
-        def change(data: dict) -> None:
-            self._check_maker(data, created_by, now)
-            live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
-            if person and not any(p["id"] == person for p in data.get("people", [])):
-                raise not_found(f"no person {person}")  # removed meanwhile
-            # the owner's and the people's wait apart: adding people never blocks the owner
-            mine = [p for p in live if bool(p.get("person")) == bool(person)]
-            if len(mine) >= MAX_PAIRINGS:
-                raise ApiError(
-                    409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
-                )
-            data["pairings"] = [*live, pairing]
+    def add_pairing(self, data: dict, pairing: dict) -> dict:
+        """Store a pairing (of pairing_record) in the state `data`, inside a state change;
+        return its record without the secret's hash. 401 once its maker is revoked, 404
+        for a person removed meanwhile, 409 at MAX_PAIRINGS waiting."""
+        now, person = self.clock(), pairing.get("person", "")
+        self._check_maker(data, pairing["createdBy"], now)
+        live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
+        if person and not any(p["id"] == person for p in data.get("people", [])):
+            raise not_found(f"no person {person}")  # removed meanwhile
+        # the owner's and the people's wait apart: adding people never blocks the owner
+        mine = [p for p in live if bool(p.get("person")) == bool(person)]
+        if len(mine) >= MAX_PAIRINGS:
+            raise ApiError(
+                409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
+            )
+        data["pairings"] = [*live, pairing]
+        return {k: v for k, v in pairing.items() if k != "secretHash"}
 
-        self.state.update(change)
-        log.info("pairing %s (%s%s) made", pairing["id"], scope, f" {folder}" if folder else "")
-        return {k: v for k, v in pairing.items() if k != "secretHash"}, secret
+    @staticmethod
+    def log_pairing(record: dict) -> None:
+        """Log a pairing made (once its state change is written)."""
+        folder = record["folder"]
+        log.info(
+            "pairing %s (%s%s) made", record["id"], record["scope"], f" {folder}" if folder else ""
+        )
 
     def claim(self, secret: str, device_name: str) -> tuple | None:
         """Return (the new device's record, its key) for a live pairing's secret, which is
@@ -14189,10 +14226,13 @@ class PeopleStore:
 
     # -- adding, renaming, removing -----------------------------------------------------
 
-    def add(self, raw_name: Any, raw_home: Any, *, created_by: str) -> dict:
+    def add(
+        self, raw_name: Any, raw_home: Any, *, created_by: str, then: Callable | None = None
+    ) -> dict:
         """Add a person with a home folder (notes/<name>, or `raw_home` when given: a folder
         under notes/ that does not exist and lies in no other home); return them. 409 for a
-        taken name or home, or at MAX_PEOPLE."""
+        taken name or home, or at MAX_PEOPLE. then(data, person), when given, runs in the
+        same state change (their first pairing): one write, and its refusal adds no one."""
         name = person_name(raw_name)
         home = f"{NOTES}/{name}" if raw_home is None else folder_path(raw_home)
         if home == NOTES or not home.startswith(NOTES + "/"):
@@ -14224,6 +14264,8 @@ class PeopleStore:
                     "free folder for them",
                 )
             people.append(person)
+            if then is not None:
+                then(data, person)
             return person
 
         self.state.update(change)
@@ -40454,7 +40496,12 @@ def new_pairing(
     record, secret = grants.create_pairing(
         name, scope, folder, config.pairing_ttl, created_by=created_by, person=person
     )
-    origin, via = pairing_origin(config, grants.state.read(), environ)
+    return pairing_answer(config, grants.state.read(), environ, record, secret)
+
+
+def pairing_answer(config: Config, state: dict, environ, record: dict, secret: str) -> dict:
+    """Return a stored pairing's answer: its record, secret, link, origin, via[, qrSvg]."""
+    origin, via = pairing_origin(config, state, environ)
     url = f"{origin}/#pair={secret}"
     answer = {**record, "secret": secret, "url": url, "origin": origin, "via": via}
     svg = qr_svg(url)
@@ -44893,12 +44940,27 @@ def add_person(svc: Service) -> dict:
     device (admin for their own things, ten minutes, once)."""
     body = read_json(svc.config.max_body_bytes)
     who = request_principal()
-    person = svc.people.add(body.get("name"), body.get("home"), created_by=made_by(who))
-    env = bottle.request.environ
-    name = clean_name(f"{person['name']}'s first device", "device")
-    pairing = new_pairing(
-        svc.config, svc.grants, name, "admin", None, env, made_by(who), person["id"]
+    made: dict = {}
+
+    def first_device(data: dict, person: dict) -> None:  # in the same state write
+        name = clean_name(f"{person['name']}'s first device", "device")
+        record, secret = svc.grants.pairing_record(
+            name,
+            "admin",
+            None,
+            svc.config.pairing_ttl,
+            created_by=made_by(who),
+            person=person["id"],
+        )
+        made["record"], made["secret"] = svc.grants.add_pairing(data, record), secret
+
+    person = svc.people.add(
+        body.get("name"), body.get("home"), created_by=made_by(who), then=first_device
     )
+    svc.grants.log_pairing(made["record"])
+    env = bottle.request.environ
+    state = svc.state.read()
+    pairing = pairing_answer(svc.config, state, env, made["record"], made["secret"])
     bottle.response.status = 201
     return {"person": PeopleStore.public(person), "pairing": pairing}
 

@@ -85,6 +85,28 @@ class TestPeople:
             add_person(client, f"p{i}")
         assert_error(add_person(client, "one more", status=409), 409, "CONFLICT")
 
+    def test_a_person_and_their_first_pairing_are_one_write_and_a_refusal_adds_no_one(
+        self, client, root, monkeypatch
+    ):
+        state = client.app.service.state
+        writes = []
+        update = state.update
+        monkeypatch.setattr(state, "update", lambda change: writes.append(1) or update(change))
+        ann = add_person(client, "Ann")
+        assert len(writes) == 1  # the person and their pairing in one durable write
+        claim = {"secret": ann["pairing"]["secret"], "deviceName": "Ann's phone"}
+        state_now = state.read()
+        assert [p["id"] for p in state_now["people"]] == [ann["person"]["id"]]
+        assert [p["id"] for p in state_now["pairings"]] == [ann["pairing"]["id"]]
+        pid = ann["person"]["id"]
+        for i in range(49):  # 50 of the people's pairings now wait
+            client.post_json(f"{API}/people/{pid}/pairings", {"name": f"d{i}"}, status=201)
+        refused = add_person(client, "Bob", status=409)
+        assert_error(refused, 409, "CONFLICT")
+        assert [p["name"] for p in data(client.get(f"{API}/people"))["people"]] == ["Ann"]
+        assert not (root / "notes" / "Bob").exists()
+        client.post_json(f"{API}/auth/devices/claim", claim, status=201)  # Ann's still works
+
     def test_a_person_is_renamed_and_their_home_keeps_its_name(self, client):
         pid = add_person(client, "Ann")["person"]["id"]
         renamed = data(client.patch_json(f"{API}/people/{pid}", {"name": "Annie"}))["person"]

@@ -33,6 +33,7 @@ MODULES = (
     "search.vectors",
     "search.hybrid",
     "auth",
+    "oauth",
     "grants",
     "people",
     "service",

@@ -120,10 +120,13 @@ class PeopleStore:
 
     # -- adding, renaming, removing -----------------------------------------------------
 
-    def add(self, raw_name: Any, raw_home: Any, *, created_by: str) -> dict:
+    def add(
+        self, raw_name: Any, raw_home: Any, *, created_by: str, then: Callable | None = None
+    ) -> dict:
         """Add a person with a home folder (notes/<name>, or `raw_home` when given: a folder
         under notes/ that does not exist and lies in no other home); return them. 409 for a
-        taken name or home, or at MAX_PEOPLE."""
+        taken name or home, or at MAX_PEOPLE. then(data, person), when given, runs in the
+        same state change (their first pairing): one write, and its refusal adds no one."""
         name = person_name(raw_name)
         home = f"{NOTES}/{name}" if raw_home is None else folder_path(raw_home)
         if home == NOTES or not home.startswith(NOTES + "/"):
@@ -155,6 +158,8 @@ class PeopleStore:
                     "free folder for them",
                 )
             people.append(person)
+            if then is not None:
+                then(data, person)
             return person
 
         self.state.update(change)

@@ -21,7 +21,6 @@ from notesvc.grants import (
     GrantStore,
     Principal,
     acting_via,
-    mcp_challenge,
     request_principal,
 )
 from notesvc.helpers import (
@@ -43,6 +42,7 @@ from notesvc.notes.history import DAY_SECONDS, HeadStoreError, HistoryStore
 from notesvc.notes.paths import ATTACHMENTS
 from notesvc.notes.store import AttachmentStore, NoteStore
 from notesvc.notes.trash import ChangeJournal, Trash, expire_loop
+from notesvc.oauth import mcp_challenge
 from notesvc.people import PeopleStore
 from notesvc.search.index import SearchIndex
 from notesvc.settings import SETTINGS, Config, ConfigError

@@ -16,14 +16,11 @@ from notesvc.boot import API, bottle, log
 from notesvc.errors import JSON_TYPE, ApiError, bad_request, not_found, to_json
 from notesvc.grants import (
     CHALLENGE_RE,
-    OAUTH_SCOPES,
     SCOPES,
     GrantStore,
-    OAuthError,
     Principal,
     clean_name,
     made_by,
-    parse_oauth_scope,
     request_principal,
     visible_attachment,
     visible_note,
@@ -47,6 +44,7 @@ from notesvc.helpers import (
 )
 from notesvc.http.api import get_attachment
 from notesvc.notes.paths import ATTACHMENTS, MAX_SCAN_CHARS, NOTES, attachment_path, folder_path
+from notesvc.oauth import OAUTH_SCOPES, OAuthError, parse_oauth_scope
 from notesvc.plugins import MDLINK_RE, md_target
 from notesvc.service import Service
 from notesvc.settings import Config
@@ -196,7 +194,12 @@ def new_pairing(
     record, secret = grants.create_pairing(
         name, scope, folder, config.pairing_ttl, created_by=created_by, person=person
     )
-    origin, via = pairing_origin(config, grants.state.read(), environ)
+    return pairing_answer(config, grants.state.read(), environ, record, secret)
+
+
+def pairing_answer(config: Config, state: dict, environ, record: dict, secret: str) -> dict:
+    """Return a stored pairing's answer: its record, secret, link, origin, via[, qrSvg]."""
+    origin, via = pairing_origin(config, state, environ)
     url = f"{origin}/#pair={secret}"
     answer = {**record, "secret": secret, "url": url, "origin": origin, "via": via}
     svg = qr_svg(url)

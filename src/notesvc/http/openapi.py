@@ -6,7 +6,7 @@ import re
 
 from notesvc.boot import KEY_HEADER, __version__, bottle
 from notesvc.errors import ERROR_CODES, JSON_TYPE, to_json
-from notesvc.grants import OAUTH_SCOPES
+from notesvc.oauth import OAUTH_SCOPES
 from notesvc.service import Service
 
 

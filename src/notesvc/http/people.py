@@ -8,7 +8,7 @@ from notesvc.boot import bottle
 from notesvc.errors import ApiError, bad_request, not_found
 from notesvc.grants import clean_name, inside, made_by, request_principal, visible_folders
 from notesvc.helpers import field, read_json
-from notesvc.http.access import new_pairing
+from notesvc.http.access import new_pairing, pairing_answer
 from notesvc.notes.paths import NOTES, folder_path
 from notesvc.people import PeopleStore
 
@@ -28,12 +28,27 @@ def add_person(svc: Service) -> dict:
     device (admin for their own things, ten minutes, once)."""
     body = read_json(svc.config.max_body_bytes)
     who = request_principal()
-    person = svc.people.add(body.get("name"), body.get("home"), created_by=made_by(who))
-    env = bottle.request.environ
-    name = clean_name(f"{person['name']}'s first device", "device")
-    pairing = new_pairing(
-        svc.config, svc.grants, name, "admin", None, env, made_by(who), person["id"]
+    made: dict = {}
+
+    def first_device(data: dict, person: dict) -> None:  # in the same state write
+        name = clean_name(f"{person['name']}'s first device", "device")
+        record, secret = svc.grants.pairing_record(
+            name,
+            "admin",
+            None,
+            svc.config.pairing_ttl,
+            created_by=made_by(who),
+            person=person["id"],
+        )
+        made["record"], made["secret"] = svc.grants.add_pairing(data, record), secret
+
+    person = svc.people.add(
+        body.get("name"), body.get("home"), created_by=made_by(who), then=first_device
     )
+    svc.grants.log_pairing(made["record"])
+    env = bottle.request.environ
+    state = svc.state.read()
+    pairing = pairing_answer(svc.config, state, env, made["record"], made["secret"])
     bottle.response.status = 201
     return {"person": PeopleStore.public(person), "pairing": pairing}
 
