@@ -20914,7 +20914,7 @@ RESOURCE_TEMPLATES = [
 MAX_BLOB_BYTES = 1 << 20  # an attachment read inline; larger ones are a link
 
 
-def read_resource(svc: Service, uri: Any, link_base: str = "") -> dict:
+def read_resource(svc: Service, uri: Any, api_base: str = "") -> dict:
     """resources/read of a notesvc:// URI: {contents: [...]}; -32002 for what is not there
     or not in the caller's reach, -32602 for a URI that is not one of ours."""
     kind, path, version = parse_uri(uri)
@@ -20938,7 +20938,7 @@ def read_resource(svc: Service, uri: Any, link_base: str = "") -> dict:
     rec = checked(uri, svc.attachments.get, path)
     meta = {"etag": rec["etag"], "modified": rec["modified"], "size": rec["size"]}
     if rec["size"] > MAX_BLOB_BYTES:  # too large to carry: where to fetch it
-        link = f"{link_base}/attachments/{urllib.parse.quote(path, safe='/')}"
+        link = f"{api_base}/attachments/{urllib.parse.quote(path, safe='/')}"
         meta["tooLarge"] = True
         return {
             "contents": [{"uri": uri, "mimeType": "text/uri-list", "text": link, "_meta": meta}]
