@@ -14284,7 +14284,7 @@ class PeopleStore:
 
         The owner shares any folder; a person a folder inside their home (403 elsewhere).
         Each member is a person other than the one sharing and other than the folder's own
-        person (whose home holds it): 404 for an unknown id; 400 for oneself, a repeat or a bad
+        person (whose home holds it): 400 for an unknown id, oneself, a repeat or a bad
         scope. Members of the folders above are kept (a deeper share adds, never takes)."""
         if not isinstance(raw, list) or len(raw) > MAX_PEOPLE:
             raise bad_request(f"'members' must be a list of at most {MAX_PEOPLE} people")
@@ -14303,7 +14303,7 @@ class PeopleStore:
             if not isinstance(pid, str):
                 raise bad_request("a member's 'person' is a person's id")
             if self.get(pid, data) is None:
-                raise not_found(f"no person {pid[:40]!r} to share with")
+                raise bad_request(f"no person {pid[:40]!r} to share with")
             if scope not in SHARE_SCOPES:
                 raise bad_request(f"a member's scope is one of {', '.join(SHARE_SCOPES)}")
             if pid == sharer or (owner_home is not None and pid == owner_home["id"]):

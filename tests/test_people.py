@@ -172,9 +172,9 @@ class TestReach:
         resp = as_ann.put_json(
             f"{API}/folders/notes%2FAnn%2FTrips/members",
             {"members": [{"person": "p_nobodyhere", "scope": "read"}]},
-            status=404,
+            status=400,
         )
-        assert_error(resp, 404, "NOT_FOUND")
+        assert_error(resp, 400, "VALIDATION_ERROR")
         shared = data(as_bob.get(f"{API}/shared"))["folders"]
         assert shared[0]["sharedBy"] == {"id": ann["id"], "name": "Ann"}
 

@@ -586,7 +586,7 @@ class TestPeopleBadInput:
             (b"{not json", 400),
             (b'{"members": "Bob"}', 400),
             (b'{"members": [{"person": 7, "scope": "read"}]}', 400),
-            (b'{"members": [{"person": "p_nobodyhere", "scope": "read"}]}', 404),
+            (b'{"members": [{"person": "p_nobodyhere", "scope": "read"}]}', 400),
             (b'{"members": [["read"]]}', 400),
             (b'{"other": 1}', 400),
             (b'{"members": [' + b'{"person": "p_x", "scope": "read"},' * 60 + b"{}]}", 400),
@@ -600,7 +600,7 @@ class TestPeopleBadInput:
             headers={"Content-Type": "application/json"},
             status=status,
         )
-        assert_error(resp, status, "VALIDATION_ERROR" if status == 400 else "NOT_FOUND")
+        assert_error(resp, status, "VALIDATION_ERROR")
 
     def test_a_huge_members_body_is_413(self, house):
         ann, bob = house
