@@ -154,6 +154,24 @@ class TestPeopleWebDav:
         ann.dav("COPY", "notes/owner/diary.md", status=404, Destination="/dav/notes/Ann/d.md")
         assert data(client.get(note_url("notes/owner/diary.md")))["content"].endswith("plans")
 
+    def test_a_copy_of_a_folder_on_the_way_down_copies_only_what_the_copier_reaches(
+        self, house, root
+    ):
+        ann, bob = house
+        put_note(bob.api, "notes/Bob/shared/s.md", "# S\n\nfor Ann")
+        upload(bob.api, "attachments/Bob/secret.txt", b"his own file")
+        upload(bob.api, "attachments/Bob/shared/s.txt", b"for Ann too")
+        share(bob.api, "notes/Bob/shared", **{ann.id: "read"})
+        ann.dav("MKCOL", "attachments/Ann", status=201)
+        assert hrefs(ann.dav, "notes/Bob") == ["notes/Bob/", "notes/Bob/shared/"]
+        for top in ("notes", "attachments"):  # notes/Bob is only her way to notes/Bob/shared
+            ann.dav("COPY", f"{top}/Bob", status=201, Destination=f"/dav/{top}/Ann/loot")
+        copied = sorted(
+            str(p.relative_to(root)) for p in root.glob("*/Ann/loot/**/*") if p.is_file()
+        )
+        assert copied == ["attachments/Ann/loot/shared/s.txt", "notes/Ann/loot/shared/s.md"]
+        assert not (root / "notes/Ann/loot/mine.md").exists()
+
     def test_the_owner_moves_a_home_and_its_person_shares_and_links_follow(
         self, client, anon, house, root
     ):

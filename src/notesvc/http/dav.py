@@ -809,14 +809,17 @@ def dav_delete(svc: Service, dav: DavState, item: DavItem) -> None:
     dav.drop_props(item.path)
 
 
-def dav_can_place(svc: Service, src: DavItem, dst: str, depth: str) -> None:
+def dav_can_place(
+    svc: Service, src: DavItem, dst: str, depth: str, principal: Principal = OWNER
+) -> None:
     """Refuse a copy or move before it starts: each file it would write must be one its new
     place takes (a note: UTF-8, the body limit; under attachments/: an attachment's
-    extension; any file: the attachment limit), so it never stops halfway."""
+    extension; any file: the attachment limit), so it never stops halfway. Only what
+    `principal` sees is copied (a folder on the way down to its reach: that way only)."""
     if src.is_dir:
-        for child in dav_children(svc, src, OWNER) if depth != "0" else ():
+        for child in dav_children(svc, src, principal) if depth != "0" else ():
             name = child.path.rsplit("/", 1)[-1]
-            dav_can_place(svc, child, dav_checked(f"{dst}/{name}"), depth)
+            dav_can_place(svc, child, dav_checked(f"{dst}/{name}"), depth, principal)
         return
     size, note = src.st.st_size, dav_is_note(dst)
     limit = svc.config.max_body_bytes if note else svc.config.max_attachment_bytes
@@ -837,15 +840,24 @@ def dav_can_place(svc: Service, src: DavItem, dst: str, depth: str) -> None:
             raise DavError(403, e.message) from None
 
 
-def dav_copy(svc: Service, dav: DavState, src: DavItem, dst: str, move: bool, depth: str):
-    """Copy or move src to dst (not there: the caller made room)."""
+def dav_copy(
+    svc: Service,
+    dav: DavState,
+    src: DavItem,
+    dst: str,
+    move: bool,
+    depth: str,
+    principal: Principal = OWNER,
+):
+    """Copy or move src to dst (not there: the caller made room): what `principal` sees of
+    it (a folder above its reach holds only the way down; a move's source is all seen)."""
     if src.is_dir:
         with disk_writes():
             os.makedirs(svc.notes.on_disk(dst), exist_ok=True)
         if depth != "0" or move:
-            for child in dav_children(svc, src, OWNER):
+            for child in dav_children(svc, src, principal):
                 name = child.path.rsplit("/", 1)[-1]
-                dav_copy(svc, dav, child, f"{dst}/{name}", move, depth)
+                dav_copy(svc, dav, child, f"{dst}/{name}", move, depth, principal)
         if move:
             with contextlib.suppress(OSError), disk_writes():
                 os.rmdir(src.file)
@@ -1124,7 +1136,7 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     folder_move = move and item.is_dir
     if folder_move:  # a home or a shared folder: who may move it, and where (409/403)
         svc.people.check_folder_change(principal, item.path, dst)
-    dav_can_place(svc, item, dst, depth)  # before anything changes, the target included
+    dav_can_place(svc, item, dst, depth, principal)  # before anything changes, the target too
     if target.exists and target.is_dir:
         svc.people.check_folder_change(principal, target.path, None)
     if not move:
@@ -1134,12 +1146,12 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if folder_move and item.top == NOTES and dst.startswith(NOTES + "/"):
         svc.people.folder_moved(item.path, dst)  # homes, members and links follow it
         try:
-            dav_copy(svc, dav, item, dst, move, depth)
+            dav_copy(svc, dav, item, dst, move, depth, principal)
         except BaseException:
             svc.people.folder_moved(dst, item.path)
             raise
     else:
-        dav_copy(svc, dav, item, dst, move, depth)
+        dav_copy(svc, dav, item, dst, move, depth, principal)
     if move:
         dav.drop_locks(item.path)  # (RFC 4918 9.9.4)
         dav_keep_folder(item)
