@@ -14184,11 +14184,18 @@ class PeopleStore:
                     "free folder for them",
                 )
             people.append(person)
+            # a home starts unshared: members left on a folder of that path that is gone
+            # (taken away by hand) were the old folder's, never the new person's
+            members = data.get("members", {})
+            stale = [f for f in members if inside(f, home)]
+            for folder in stale:
+                del members[folder]
             if then is not None:
                 then(data, person)
-            return person
+            return stale
 
-        self.state.update(change)
+        if self.state.update(change):
+            self._changed()  # (the stale members' feeds wake and see them gone)
         try:
             self.notes.on_disk(home).mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:  # the home appears with their first note anyway
@@ -14388,6 +14395,21 @@ class PeopleStore:
                 raise ApiError(
                     409, "CONFLICT", f"{home} would lie in another person's home, or hold one"
                 )
+
+    def folder_deleted(self, folder: str) -> None:
+        """Forget the members of a folder deleted whole and of the folders in it: a folder
+        made later at that path (a new person's home, say) is not shared with them."""
+        if not any(inside(f, folder) for f in self.state.read().get("members", {})):
+            return
+
+        def change(d: dict) -> None:
+            members = d.get("members", {})
+            for f in [f for f in members if inside(f, folder)]:
+                del members[f]
+
+        self.state.update(change)
+        self._changed()
+        log.info("people: the shares in %s end with it", folder)
 
     def folder_moved(self, old: str, new: str) -> None:
         """Keep homes and members on a folder that moves (old -> new, under notes/), and the
@@ -41212,6 +41234,8 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if item.is_dir and os.path.lexists(item.file):
         raise DavError(409, f"/dav/{item.path}/ holds files whose names no path may hold")
     dav_keep_folder(item)
+    if item.is_dir and item.top == NOTES:
+        svc.people.folder_deleted(item.path)  # its shares end with it
     bottle.response.status = 204
     return b""
 

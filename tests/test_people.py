@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -153,6 +154,25 @@ class TestReach:
         as_ann.put_json(note_url("notes/Family/shopping.md"), {"content": "bread, eggs"})
         client.put_json(f"{API}/folders/notes%2FFamily/members", {"members": []})
         as_ann.get(note_url("notes/Family/shopping.md"), status=404)  # cut at once
+
+    def test_a_folder_deleted_takes_its_members_and_a_new_home_there_starts_unshared(
+        self, client, anon, dav, root
+    ):
+        bob, as_bob = device_of(client, anon, "Bob")
+        for folder in ("notes/Temp", "notes/Gone"):
+            put_note(client, f"{folder}/a.md", "the owner's")
+            body = {"members": [{"person": bob["id"], "scope": "read"}]}
+            client.put_json(f"{API}/folders/{folder.replace('/', '%2F')}/members", body)
+        dav("DELETE", "notes/Temp", status=204)  # deleted whole: its shares end with it
+        shutil.rmtree(root / "notes" / "Gone")  # taken away by hand on the machine
+        shared = [f["path"] for f in data(as_bob.get(f"{API}/shared"))["folders"]]
+        assert shared == ["notes/Gone"]
+        for name in ("Temp", "Gone"):  # a new person whose home is the old folder's path
+            _, as_new = device_of(client, anon, name)
+            put_note(as_new, f"notes/{name}/diary.md", "mine alone")
+            as_bob.get(note_url(f"notes/{name}/diary.md"), status=404)
+            assert data(client.get(f"{API}/folders/notes%2F{name}/members"))["members"] == []
+        assert data(as_bob.get(f"{API}/shared"))["folders"] == []
 
     def test_a_person_shares_folders_of_their_home_only(self, client, anon):
         ann, as_ann = device_of(client, anon, "Ann")

@@ -1066,6 +1066,8 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if item.is_dir and os.path.lexists(item.file):
         raise DavError(409, f"/dav/{item.path}/ holds files whose names no path may hold")
     dav_keep_folder(item)
+    if item.is_dir and item.top == NOTES:
+        svc.people.folder_deleted(item.path)  # its shares end with it
     bottle.response.status = 204
     return b""
 
