@@ -14184,6 +14184,10 @@ class PeopleStore:
                     "free folder for them",
                 )
             people.append(person)
+            # setup is done once someone else lives here: its page (open to the home network
+            # while setup is unfinished) must never hand a person the owner's key
+            data["setupComplete"] = True
+            data.pop("apiKey", None)
             # a home starts unshared: members left on a folder of that path that is gone
             # (taken away by hand) were the old folder's, never the new person's
             members = data.get("members", {})

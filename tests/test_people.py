@@ -10,6 +10,7 @@ import pytest
 from conftest import (
     API,
     KEY,
+    LOCAL,
     assert_error,
     data,
     note_url,
@@ -107,6 +108,16 @@ class TestPeople:
         assert [p["name"] for p in data(client.get(f"{API}/people"))["people"]] == ["Ann"]
         assert not (root / "notes" / "Bob").exists()
         client.post_json(f"{API}/auth/devices/claim", claim, status=201)  # Ann's still works
+
+    def test_once_a_person_lives_here_the_setup_page_never_shows_the_owners_key(self, client, anon):
+        key = client.extra_environ["HTTP_X_SERVICE_KEY"]
+        setup = data(anon.get(f"{API}/system/setup", extra_environ=LOCAL))
+        assert (setup["apiKey"], setup["setupComplete"]) == (key, False)  # not set up yet
+        device_of(client, anon, "Ann")  # on the home network, as setup's page allows
+        setup = data(anon.get(f"{API}/system/setup", extra_environ=LOCAL))
+        assert key not in str(setup)
+        assert setup["setupComplete"] is True
+        client.get(f"{API}/notes")  # the owner's key itself goes on working
 
     def test_a_person_is_renamed_and_their_home_keeps_its_name(self, client):
         pid = add_person(client, "Ann")["person"]["id"]
