@@ -41110,24 +41110,55 @@ def dav_propfind(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     items = [item]
     if depth == "1" and item.is_dir:
         items += dav_children(svc, item, ctx["principal"])
-    script = ctx["script"]
+    script, principal = ctx["script"], ctx["principal"]
     return dav_multistatus(
-        dav_response(dav_href(script, i.path, i.is_dir), dav_props(dav, i, mode, wanted))
+        dav_response(
+            dav_href(script, i.path, i.is_dir),
+            dav_props(dav, i, mode, wanted, dav_only_the_way(principal, i.path)),
+        )
         for i in items
     )
 
 
-def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
-    dead = dav.props_of(item.path) if dav.props else {}
+def dav_only_the_way(principal: Principal, path: str) -> bool:
+    """Whether a grant sees a folder only as its way down to its reach (notes/, a folder
+    above a shared one, another's home): its dates, locks and properties are others'."""
+    if principal.whole or not path:
+        return False
+    own = (*principal.folders, *(attachments_twin(f) for f in principal.folders))
+    return not any(path == f or path.startswith(f + "/") for f in own)
+
+
+def dav_props(
+    dav: DavState, item: DavItem, mode: str, wanted: list, only_the_way: bool = False
+) -> str:
+    """The properties of item; a folder on the way down shows its name and kind only (no
+    dates, locks or dead properties: they tell of what others keep and do in it)."""
+    dead = dav.props_of(item.path) if dav.props and not only_the_way else {}
+    if only_the_way:
+        bare = dataclasses.replace(item, st=None)
+
+        def live(dav: DavState, _item: DavItem, name: str) -> str | None:
+            if name == "lockdiscovery":
+                return "<D:lockdiscovery/>"
+            return dav_live(dav, bare, name)
+
+        return _dav_props(dav, item, mode, wanted, dead, live)
+    return _dav_props(dav, item, mode, wanted, dead, dav_live)
+
+
+def _dav_props(
+    dav: DavState, item: DavItem, mode: str, wanted: list, dead: dict, live: Callable
+) -> str:
     if mode == "propname":
-        names = [f"<D:{n}/>" for n in _DAV_LIVE if dav_live(dav, item, n) is not None]
+        names = [f"<D:{n}/>" for n in _DAV_LIVE if live(dav, item, n) is not None]
         return dav_propstat(names + [empty_prop(t) for t in dead], [])
     if mode == "allprop":
-        found = [x for n in _DAV_LIVE if (x := dav_live(dav, item, n)) is not None]
+        found = [x for n in _DAV_LIVE if (x := live(dav, item, n)) is not None]
         return dav_propstat(found + list(dead.values()), [])
     found, missing = [], []
     for tag, ns, local in wanted:
-        value = dav_live(dav, item, local) if ns == "DAV:" else None
+        value = live(dav, item, local) if ns == "DAV:" else None
         if value is None:
             value = dead.get(tag)
         (found if value is not None else missing).append(value or empty_prop(tag))
@@ -42019,7 +42050,8 @@ def cal_propfind(svc: Service, book: TaskBook, res: dict, ctx: dict):
             dav = dav_state(svc)
             root_item = dav_item(svc, "")
             for child in dav_children(svc, root_item, principal):
-                inner = dav_props(dav, child, mode, [(t, ns, lo) for ns, lo, t in wanted])
+                asked = [(t, ns, lo) for ns, lo, t in wanted]
+                inner = dav_props(dav, child, mode, asked, dav_only_the_way(principal, child.path))
                 out.append(_response(dav_href(ctx["script"], child.path, True), inner))
         return cal_multistatus(out)
     kind = res["kind"]

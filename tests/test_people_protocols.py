@@ -172,6 +172,35 @@ class TestPeopleWebDav:
         assert copied == ["attachments/Ann/loot/shared/s.txt", "notes/Ann/loot/shared/s.md"]
         assert not (root / "notes/Ann/loot/mine.md").exists()
 
+    def test_a_folder_on_the_way_down_shows_no_dates_locks_or_properties_of_others(self, house):
+        ann, bob = house
+        put_note(bob.api, "notes/Bob/shared/s.md", "# S\n\nfor Ann")
+        share(bob.api, "notes/Bob/shared", **{ann.id: "read"})
+        patch = (
+            b'<D:propertyupdate xmlns:D="DAV:" xmlns:Z="urn:x"><D:set><D:prop>'
+            b"<Z:tag>surprise party</Z:tag></D:prop></D:set></D:propertyupdate>"
+        )
+        bob.dav("PROPPATCH", "notes/Bob", patch, status=207)
+        lock = (
+            b'<D:lockinfo xmlns:D="DAV:"><D:lockscope><D:exclusive/></D:lockscope>'
+            b"<D:locktype><D:write/></D:locktype><D:owner>Bob's Mac</D:owner></D:lockinfo>"
+        )
+        bob.dav("LOCK", "notes/Bob", lock, status=200, Depth="0")
+        for path in ("notes/Bob", "notes", ""):
+            seen = ann.dav("PROPFIND", path, b"", status=207, Depth="1").text
+            way = seen.split("<D:response>")[1 if path else 2]  # the way down itself
+            assert "getlastmodified" not in way
+            assert "creationdate" not in way
+        seen = ann.dav("PROPFIND", "notes/Bob", b"", status=207, Depth="0").text
+        assert "surprise" not in seen
+        assert "Bob's Mac" not in seen
+        assert "opaquelocktoken" not in seen
+        mine = ann.dav("PROPFIND", "notes/Ann", b"", status=207, Depth="0").text
+        assert "getlastmodified" in mine  # her own folders keep theirs
+        theirs = bob.dav("PROPFIND", "notes/Bob", b"", status=207, Depth="0").text
+        assert "surprise" in theirs
+        assert "Bob's Mac" in theirs
+
     def test_the_owner_moves_a_home_and_its_person_shares_and_links_follow(
         self, client, anon, house, root
     ):
