@@ -185,6 +185,33 @@ class TestReach:
             assert data(client.get(f"{API}/folders/notes%2F{name}/members"))["members"] == []
         assert data(as_bob.get(f"{API}/shared"))["folders"] == []
 
+    def test_a_key_narrowed_to_a_share_that_ends_reaches_nothing_not_everything(self, client, anon):
+        put_note(client, "notes/owner/secret.md", "the owner's diary")
+        put_note(client, "notes/Family/list.md", "bread #shop")
+        ann, as_ann = device_of(client, anon, "Ann")
+        put_note(as_ann, "notes/Ann/mine.md", "her own diary")
+        members = f"{API}/folders/notes%2FFamily/members"
+        client.put_json(members, {"members": [{"person": ann["id"], "scope": "read"}]})
+        body = {"name": "family only", "scope": "write", "folder": "notes/Family"}
+        narrow = with_key(anon, data(as_ann.post_json(f"{API}/auth/keys", body))["key"])
+        link = data(narrow.post_json(f"{API}/shares", {"path": "notes/Family/list.md"}))
+        token = link["url"].rsplit("/", 1)[-1]
+        assert paths(data(narrow.get(f"{API}/notes"))) == ["notes/Family/list.md"]
+        client.put_json(members, {"members": []})  # the share ends: the key reaches nothing
+        assert data(narrow.get(f"{API}/notes"))["notes"] == []
+        assert search(narrow, "diary")["total"] == 0
+        narrow.get(note_url("notes/owner/secret.md"), status=404)
+        narrow.get(note_url("notes/Ann/mine.md"), status=404)
+        assert data(narrow.get(f"{API}/folders/tree"))["children"] == []
+        assert data(narrow.get(f"{API}/changes"))["changes"] == []
+        assert data(narrow.get(f"{API}/plugins/tags"))["tags"] == []
+        assert data(narrow.post_json(f"{API}/auth/verify", {}))["reach"] == []
+        anon.get(f"{API}/shared/{token}", status=404)  # a link dies with its maker's reach
+        mcp = {"jsonrpc": "2.0", "id": 1, "method": "tools/call"}
+        mcp["params"] = {"name": "read_note", "arguments": {"path": "notes/owner/secret.md"}}
+        answer = narrow.post_json(f"{API}/mcp", mcp).json["result"]
+        assert answer["isError"] is True
+
     def test_a_person_shares_folders_of_their_home_only(self, client, anon):
         ann, as_ann = device_of(client, anon, "Ann")
         bob, as_bob = device_of(client, anon, "Bob")
