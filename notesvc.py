@@ -41494,8 +41494,9 @@ def dav_unlock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         lk = dav.locks.get(token)
         if lk is None or not lk.covers(item.path):
             raise DavError(409, "no such lock on this resource", "lock-token-matches-request-uri")
-        if lk.holder != ctx["holder"] and not ctx["principal"].allows("admin"):
-            raise DavError(403, "the lock was taken by another key")  # (the owner may end it)
+        who = ctx["principal"]  # the owner may end any lock; a person's admin, their own only
+        if lk.holder != ctx["holder"] and not (who.whole and who.allows("admin")):
+            raise DavError(403, "the lock was taken by another key")
         del dav.locks[token]
     bottle.response.status = 204
     return b""

@@ -201,6 +201,21 @@ class TestPeopleWebDav:
         assert "surprise" in theirs
         assert "Bob's Mac" in theirs
 
+    def test_a_persons_admin_device_ends_no_lock_but_its_own(self, client, house):
+        ann, bob = house
+        owner = Dav(client, client.extra_environ["HTTP_X_SERVICE_KEY"])
+        lock = (
+            b'<D:lockinfo xmlns:D="DAV:"><D:lockscope><D:exclusive/></D:lockscope>'
+            b"<D:locktype><D:write/></D:locktype></D:lockinfo>"
+        )
+        token = owner("LOCK", "notes/Family/plan.md", lock, status=200).headers["Lock-Token"]
+        for who in (ann, bob):  # Ann reads Family, Bob writes it: both hold admin devices
+            who.dav("UNLOCK", "notes/Family/plan.md", status=403, Lock_Token=token)
+        bob.dav("PUT", "notes/Family/plan.md", b"# Plan\n\nmine", status=423)
+        bobs = bob.dav("LOCK", "notes/Bob/mine.md", lock, status=200).headers["Lock-Token"]
+        bob.dav("UNLOCK", "notes/Bob/mine.md", status=204, Lock_Token=bobs)
+        owner("UNLOCK", "notes/Family/plan.md", status=204, Lock_Token=token)
+
     def test_the_owner_moves_a_home_and_its_person_shares_and_links_follow(
         self, client, anon, house, root
     ):
