@@ -40220,7 +40220,8 @@ def get_export(svc: Service):
     resp.content_type = "application/zip"
     resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
     resp.set_header("Cache-Control", "no-store")
-    what = ", ".join(principal.folders) or "every note"
+    shown = [f for f in principal.folders if f != NOWHERE]  # (a reach of nothing: none)
+    what = "every note" if principal.whole else ", ".join(shown) or "nothing"
     log.info("request %s: export of %s", current_request_id(), what)
 
     def still(name: str) -> bool:  # a person removed, a share removed, while it streams
