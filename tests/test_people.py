@@ -119,6 +119,21 @@ class TestPeople:
         assert setup["setupComplete"] is True
         client.get(f"{API}/notes")  # the owner's key itself goes on working
 
+    def test_a_home_never_lies_in_a_shared_folder_whose_members_would_read_it(
+        self, client, anon, root
+    ):
+        put_note(client, "notes/Family/list.md", "bread")
+        ann, as_ann = device_of(client, anon, "Ann")
+        body = {"members": [{"person": ann["id"], "scope": "write"}]}
+        client.put_json(f"{API}/folders/notes%2FFamily/members", body)
+        resp = add_person(client, "Kid", status=409, home="notes/Family/kid")
+        assert "shared" in assert_error(resp, 409, "CONFLICT")["message"]
+        as_ann.get(f"{API}/folders/tree/notes%2FFamily%2Fkid", status=404)
+        assert add_person(client, "Kid", home="notes/kid")["person"]["home"] == "notes/kid"
+        shutil.rmtree(root / "notes" / "Family")  # gone (by hand): its members with it
+        add_person(client, "Lou", home="notes/Family/lou")
+        assert data(as_ann.get(f"{API}/shared"))["folders"] == []
+
     def test_a_person_is_renamed_and_their_home_keeps_its_name(self, client):
         pid = add_person(client, "Ann")["person"]["id"]
         renamed = data(client.patch_json(f"{API}/people/{pid}", {"name": "Annie"}))["person"]

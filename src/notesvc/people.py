@@ -150,6 +150,15 @@ class PeopleStore:
                     raise ApiError(
                         409, "CONFLICT", f"{home} lies in {p['name']}'s home, or holds it"
                     )
+            above = [f for f in data.get("members", {}) if inside(home, f) and f != home]
+            shared = next((f for f in above if self.notes.on_disk(f).is_dir()), None)
+            if shared is not None:  # (its members would read the home)
+                raise ApiError(
+                    409,
+                    "CONFLICT",
+                    f"{home} lies in {shared}, a shared folder: its members would read it; "
+                    "give 'home' a folder outside it",
+                )
             if self.notes.on_disk(home).exists():
                 raise ApiError(
                     409,
@@ -162,10 +171,10 @@ class PeopleStore:
             # while setup is unfinished) must never hand a person the owner's key
             data["setupComplete"] = True
             data.pop("apiKey", None)
-            # a home starts unshared: members left on a folder of that path that is gone
-            # (taken away by hand) were the old folder's, never the new person's
+            # a home starts unshared: members left on a folder of that path, or above it,
+            # that is gone (taken away by hand) were the old folder's, never the new person's
             members = data.get("members", {})
-            stale = [f for f in members if inside(f, home)]
+            stale = [f for f in members if inside(f, home) or inside(home, f)]  # (all gone)
             for folder in stale:
                 del members[folder]
             if then is not None:
