@@ -12880,6 +12880,9 @@ class Reach:
 
 
 EVERYTHING = Reach(everything=True)
+# The filter of a reach of nothing: a folder no note path lies in (paths hold no control
+# character), so that every `() means everything` test sees a folder, and nothing in it.
+NOWHERE = NOTES + "/\x01"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12910,8 +12913,11 @@ class Principal:
 
     @property
     def folders(self) -> tuple:
-        """Return the folders it sees as a filter: () for everything."""
-        return () if self.reach.everything else self.reach.tops
+        """Return the folders it sees as a filter: () for everything; for a reach of nothing
+        (a key narrowed to a folder no longer shared with its person) (NOWHERE,), never ()."""
+        if self.reach.everything:
+            return ()
+        return self.reach.tops or (NOWHERE,)
 
     @property
     def home(self) -> str:
@@ -13173,6 +13179,8 @@ def granted_tree(
         return svc.notes.tree(asked, depth, count)
     root = {"name": asked.rsplit("/", 1)[-1], "path": asked, "type": "folder", "children": []}
     for folder in shown:
+        if folder == NOWHERE:  # a reach of nothing: not even a way down
+            continue
         way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to it
         left = None if depth is None else depth - len(way)
         if left is not None and left < 0:  # the cut falls on the way down
@@ -14256,6 +14264,15 @@ class PeopleStore:
                     raise ApiError(
                         409, "CONFLICT", f"{home} lies in {p['name']}'s home, or holds it"
                     )
+            above = [f for f in data.get("members", {}) if inside(home, f) and f != home]
+            shared = next((f for f in above if self.notes.on_disk(f).is_dir()), None)
+            if shared is not None:  # (its members would read the home)
+                raise ApiError(
+                    409,
+                    "CONFLICT",
+                    f"{home} lies in {shared}, a shared folder: its members would read it; "
+                    "give 'home' a folder outside it",
+                )
             if self.notes.on_disk(home).exists():
                 raise ApiError(
                     409,
@@ -14264,11 +14281,22 @@ class PeopleStore:
                     "free folder for them",
                 )
             people.append(person)
+            # setup is done once someone else lives here: its page (open to the home network
+            # while setup is unfinished) must never hand a person the owner's key
+            data["setupComplete"] = True
+            data.pop("apiKey", None)
+            # a home starts unshared: members left on a folder of that path, or above it,
+            # that is gone (taken away by hand) were the old folder's, never the new person's
+            members = data.get("members", {})
+            stale = [f for f in members if inside(f, home) or inside(home, f)]  # (all gone)
+            for folder in stale:
+                del members[folder]
             if then is not None:
                 then(data, person)
-            return person
+            return stale
 
-        self.state.update(change)
+        if self.state.update(change):
+            self._changed()  # (the stale members' feeds wake and see them gone)
         try:
             self.notes.on_disk(home).mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:  # the home appears with their first note anyway
@@ -14364,7 +14392,7 @@ class PeopleStore:
 
         The owner shares any folder; a person a folder inside their home (403 elsewhere).
         Each member is a person other than the one sharing and other than the folder's own
-        person (whose home holds it): 404 for an unknown id; 400 for oneself, a repeat or a bad
+        person (whose home holds it): 400 for an unknown id, oneself, a repeat or a bad
         scope. Members of the folders above are kept (a deeper share adds, never takes)."""
         if not isinstance(raw, list) or len(raw) > MAX_PEOPLE:
             raise bad_request(f"'members' must be a list of at most {MAX_PEOPLE} people")
@@ -14383,7 +14411,7 @@ class PeopleStore:
             if not isinstance(pid, str):
                 raise bad_request("a member's 'person' is a person's id")
             if self.get(pid, data) is None:
-                raise not_found(f"no person {pid[:40]!r} to share with")
+                raise bad_request(f"no person {pid[:40]!r} to share with")
             if scope not in SHARE_SCOPES:
                 raise bad_request(f"a member's scope is one of {', '.join(SHARE_SCOPES)}")
             if pid == sharer or (owner_home is not None and pid == owner_home["id"]):
@@ -14468,6 +14496,21 @@ class PeopleStore:
                 raise ApiError(
                     409, "CONFLICT", f"{home} would lie in another person's home, or hold one"
                 )
+
+    def folder_deleted(self, folder: str) -> None:
+        """Forget the members of a folder deleted whole and of the folders in it: a folder
+        made later at that path (a new person's home, say) is not shared with them."""
+        if not any(inside(f, folder) for f in self.state.read().get("members", {})):
+            return
+
+        def change(d: dict) -> None:
+            members = d.get("members", {})
+            for f in [f for f in members if inside(f, folder)]:
+                del members[f]
+
+        self.state.update(change)
+        self._changed()
+        log.info("people: the shares in %s end with it", folder)
 
     def folder_moved(self, old: str, new: str) -> None:
         """Keep homes and members on a folder that moves (old -> new, under notes/), and the
@@ -18651,8 +18694,13 @@ class FileTextReader:
             )
         return ""
 
-    def info(self) -> dict:
-        """What /system/info says: on or off (and why), the tools, how far it got."""
+    def info(self, sees: Callable | None = None) -> dict:
+        """What /system/info says: on or off (and why), the tools, how far it got. With
+        `sees` (a principal that does not see every file: a person, a folder key) only the
+        files it sees count, the file being read shows only if it sees it, and what is
+        server-wide (skipped, failed, pages, when, what was said: file names) is left out."""
+        if sees is not None:
+            return self._info_within(sees)
         with self._lock:
             known = len(self.files)
             waiting = len(self.queue) + (1 if self.current else 0)
@@ -18676,6 +18724,31 @@ class FileTextReader:
                 "said": list(self.said),
             }
         return answer
+
+    def _info_within(self, sees: Callable) -> dict:
+        with self._lock:
+            seen = {p: v for p, v in self.files.items() if sees(p)}
+            current = self.current if self.current and sees(self.current) else ""
+            waiting = sum(1 for p, _ in self.queue if sees(p)) + (1 if current else 0)
+            return {
+                "enabled": self.enabled,
+                "reason": self.off_reason() or None,
+                "tools": {
+                    "pdftotext": bool(self.tools.pdf),
+                    "ocr": bool(self.tools.ocr),
+                    "pdfOcr": bool(self.tools.pdf_ocr),
+                },
+                "languages": self.langs,
+                "files": len(seen),
+                "read": sum(1 for v in seen.values() if self._done(v[2])),
+                "waiting": waiting,
+                "reading": current or None,
+                "skipped": None,
+                "failed": None,
+                "pages": None,
+                "lastRead": None,
+                "said": [],
+            }
 
     def _done(self, digest: str) -> bool:
         return digest in self.kinds and digest not in self._open
@@ -24375,7 +24448,9 @@ def _zip_chunks(zipfile, out, root, principal, progress, still):
             "notesvc": __version__,
             "exportedAt": iso(utcnow()),
             "folder": principal.folder or None,
-            "folders": list(principal.folders) or None,
+            "folders": None  # (everything)
+            if principal.whole
+            else [f for f in principal.folders if f != NOWHERE],
             **counts,
         }
         zf.writestr(EXPORT_MANIFEST, json.dumps(manifest, indent=2) + "\n")
@@ -42314,7 +42389,8 @@ def get_export(svc: Service):
     resp.content_type = "application/zip"
     resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
     resp.set_header("Cache-Control", "no-store")
-    what = ", ".join(principal.folders) or "every note"
+    shown = [f for f in principal.folders if f != NOWHERE]  # (a reach of nothing: none)
+    what = "every note" if principal.whole else ", ".join(shown) or "nothing"
     log.info("request %s: export of %s", current_request_id(), what)
 
     def still(name: str) -> bool:  # a person removed, a share removed, while it streams
@@ -43115,14 +43191,17 @@ def dav_delete(svc: Service, dav: DavState, item: DavItem) -> None:
     dav.drop_props(item.path)
 
 
-def dav_can_place(svc: Service, src: DavItem, dst: str, depth: str) -> None:
+def dav_can_place(
+    svc: Service, src: DavItem, dst: str, depth: str, principal: Principal = OWNER
+) -> None:
     """Refuse a copy or move before it starts: each file it would write must be one its new
     place takes (a note: UTF-8, the body limit; under attachments/: an attachment's
-    extension; any file: the attachment limit), so it never stops halfway."""
+    extension; any file: the attachment limit), so it never stops halfway. Only what
+    `principal` sees is copied (a folder on the way down to its reach: that way only)."""
     if src.is_dir:
-        for child in dav_children(svc, src, OWNER) if depth != "0" else ():
+        for child in dav_children(svc, src, principal) if depth != "0" else ():
             name = child.path.rsplit("/", 1)[-1]
-            dav_can_place(svc, child, dav_checked(f"{dst}/{name}"), depth)
+            dav_can_place(svc, child, dav_checked(f"{dst}/{name}"), depth, principal)
         return
     size, note = src.st.st_size, dav_is_note(dst)
     limit = svc.config.max_body_bytes if note else svc.config.max_attachment_bytes
@@ -43143,15 +43222,24 @@ def dav_can_place(svc: Service, src: DavItem, dst: str, depth: str) -> None:
             raise DavError(403, e.message) from None
 
 
-def dav_copy(svc: Service, dav: DavState, src: DavItem, dst: str, move: bool, depth: str):
-    """Copy or move src to dst (not there: the caller made room)."""
+def dav_copy(
+    svc: Service,
+    dav: DavState,
+    src: DavItem,
+    dst: str,
+    move: bool,
+    depth: str,
+    principal: Principal = OWNER,
+):
+    """Copy or move src to dst (not there: the caller made room): what `principal` sees of
+    it (a folder above its reach holds only the way down; a move's source is all seen)."""
     if src.is_dir:
         with disk_writes():
             os.makedirs(svc.notes.on_disk(dst), exist_ok=True)
         if depth != "0" or move:
-            for child in dav_children(svc, src, OWNER):
+            for child in dav_children(svc, src, principal):
                 name = child.path.rsplit("/", 1)[-1]
-                dav_copy(svc, dav, child, f"{dst}/{name}", move, depth)
+                dav_copy(svc, dav, child, f"{dst}/{name}", move, depth, principal)
         if move:
             with contextlib.suppress(OSError), disk_writes():
                 os.rmdir(src.file)
@@ -43202,24 +43290,55 @@ def dav_propfind(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     items = [item]
     if depth == "1" and item.is_dir:
         items += dav_children(svc, item, ctx["principal"])
-    script = ctx["script"]
+    script, principal = ctx["script"], ctx["principal"]
     return dav_multistatus(
-        dav_response(dav_href(script, i.path, i.is_dir), dav_props(dav, i, mode, wanted))
+        dav_response(
+            dav_href(script, i.path, i.is_dir),
+            dav_props(dav, i, mode, wanted, dav_only_the_way(principal, i.path)),
+        )
         for i in items
     )
 
 
-def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
-    dead = dav.props_of(item.path) if dav.props else {}
+def dav_only_the_way(principal: Principal, path: str) -> bool:
+    """Whether a grant sees a folder only as its way down to its reach (notes/, a folder
+    above a shared one, another's home): its dates, locks and properties are others'."""
+    if principal.whole or not path:
+        return False
+    own = (*principal.folders, *(attachments_twin(f) for f in principal.folders))
+    return not any(path == f or path.startswith(f + "/") for f in own)
+
+
+def dav_props(
+    dav: DavState, item: DavItem, mode: str, wanted: list, only_the_way: bool = False
+) -> str:
+    """The properties of item; a folder on the way down shows its name and kind only (no
+    dates, locks or dead properties: they tell of what others keep and do in it)."""
+    dead = dav.props_of(item.path) if dav.props and not only_the_way else {}
+    if only_the_way:
+        bare = dataclasses.replace(item, st=None)
+
+        def live(dav: DavState, _item: DavItem, name: str) -> str | None:
+            if name == "lockdiscovery":
+                return "<D:lockdiscovery/>"
+            return dav_live(dav, bare, name)
+
+        return _dav_props(dav, item, mode, wanted, dead, live)
+    return _dav_props(dav, item, mode, wanted, dead, dav_live)
+
+
+def _dav_props(
+    dav: DavState, item: DavItem, mode: str, wanted: list, dead: dict, live: Callable
+) -> str:
     if mode == "propname":
-        names = [f"<D:{n}/>" for n in _DAV_LIVE if dav_live(dav, item, n) is not None]
+        names = [f"<D:{n}/>" for n in _DAV_LIVE if live(dav, item, n) is not None]
         return dav_propstat(names + [empty_prop(t) for t in dead], [])
     if mode == "allprop":
-        found = [x for n in _DAV_LIVE if (x := dav_live(dav, item, n)) is not None]
+        found = [x for n in _DAV_LIVE if (x := live(dav, item, n)) is not None]
         return dav_propstat(found + list(dead.values()), [])
     found, missing = [], []
     for tag, ns, local in wanted:
-        value = dav_live(dav, item, local) if ns == "DAV:" else None
+        value = live(dav, item, local) if ns == "DAV:" else None
         if value is None:
             value = dead.get(tag)
         (found if value is not None else missing).append(value or empty_prop(tag))
@@ -43360,6 +43479,8 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if item.is_dir and os.path.lexists(item.file):
         raise DavError(409, f"/dav/{item.path}/ holds files whose names no path may hold")
     dav_keep_folder(item)
+    if item.is_dir and item.top == NOTES:
+        svc.people.folder_deleted(item.path)  # its shares end with it
     bottle.response.status = 204
     return b""
 
@@ -43430,7 +43551,7 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     folder_move = move and item.is_dir
     if folder_move:  # a home or a shared folder: who may move it, and where (409/403)
         svc.people.check_folder_change(principal, item.path, dst)
-    dav_can_place(svc, item, dst, depth)  # before anything changes, the target included
+    dav_can_place(svc, item, dst, depth, principal)  # before anything changes, the target too
     if target.exists and target.is_dir:
         svc.people.check_folder_change(principal, target.path, None)
     if not move:
@@ -43440,12 +43561,12 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if folder_move and item.top == NOTES and dst.startswith(NOTES + "/"):
         svc.people.folder_moved(item.path, dst)  # homes, members and links follow it
         try:
-            dav_copy(svc, dav, item, dst, move, depth)
+            dav_copy(svc, dav, item, dst, move, depth, principal)
         except BaseException:
             svc.people.folder_moved(dst, item.path)
             raise
     else:
-        dav_copy(svc, dav, item, dst, move, depth)
+        dav_copy(svc, dav, item, dst, move, depth, principal)
     if move:
         dav.drop_locks(item.path)  # (RFC 4918 9.9.4)
         dav_keep_folder(item)
@@ -43543,8 +43664,9 @@ def dav_unlock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         lk = dav.locks.get(token)
         if lk is None or not lk.covers(item.path):
             raise DavError(409, "no such lock on this resource", "lock-token-matches-request-uri")
-        if lk.holder != ctx["holder"] and not ctx["principal"].allows("admin"):
-            raise DavError(403, "the lock was taken by another key")  # (the owner may end it)
+        who = ctx["principal"]  # the owner may end any lock; a person's admin, their own only
+        if lk.holder != ctx["holder"] and not (who.whole and who.allows("admin")):
+            raise DavError(403, "the lock was taken by another key")
         del dav.locks[token]
     bottle.response.status = 204
     return b""
@@ -44109,7 +44231,8 @@ def cal_propfind(svc: Service, book: TaskBook, res: dict, ctx: dict):
             dav = dav_state(svc)
             root_item = dav_item(svc, "")
             for child in dav_children(svc, root_item, principal):
-                inner = dav_props(dav, child, mode, [(t, ns, lo) for ns, lo, t in wanted])
+                asked = [(t, ns, lo) for ns, lo, t in wanted]
+                inner = dav_props(dav, child, mode, asked, dav_only_the_way(principal, child.path))
                 out.append(_response(dav_href(ctx["script"], child.path, True), inner))
         return cal_multistatus(out)
     kind = res["kind"]
@@ -45217,7 +45340,9 @@ def secure_address(svc: Service, env: dict) -> str | None:
 def get_capture(svc: Service) -> dict:
     """GET /capture: what Record and the line about the text inside files need."""
     env = bottle.request.environ
-    reader = svc.reader.info() if svc.reader is not None else {"enabled": False}
+    who = request_principal()  # a person, a folder key: the files they see only
+    sees = None if who.whole else who.sees
+    reader = svc.reader.info(sees) if svc.reader is not None else {"enabled": False}
     return {
         "record": {
             "transcribe": bool(svc.config.transcribe_url),

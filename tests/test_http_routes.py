@@ -69,6 +69,8 @@ class TestSchemathesis:
             "connect_telegram": [not_a_server_error],
             # an import's bytes must be a zip, an .enex or a .jex (TestImport): 400 / 415
             "post_import": [positive_data_acceptance],
+            # a member is a person of this server: an unknown id is 400
+            "put_members": [positive_data_acceptance],
         }
 
         schema = schemathesis.openapi.from_wsgi("/api/v1/openapi.json", wsgi)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 
 import pytest
@@ -9,6 +10,7 @@ import pytest
 from conftest import (
     API,
     KEY,
+    LOCAL,
     assert_error,
     data,
     note_url,
@@ -107,6 +109,31 @@ class TestPeople:
         assert not (root / "notes" / "Bob").exists()
         client.post_json(f"{API}/auth/devices/claim", claim, status=201)  # Ann's still works
 
+    def test_once_a_person_lives_here_the_setup_page_never_shows_the_owners_key(self, client, anon):
+        key = client.extra_environ["HTTP_X_SERVICE_KEY"]
+        setup = data(anon.get(f"{API}/system/setup", extra_environ=LOCAL))
+        assert (setup["apiKey"], setup["setupComplete"]) == (key, False)  # not set up yet
+        device_of(client, anon, "Ann")  # on the home network, as setup's page allows
+        setup = data(anon.get(f"{API}/system/setup", extra_environ=LOCAL))
+        assert key not in str(setup)
+        assert setup["setupComplete"] is True
+        client.get(f"{API}/notes")  # the owner's key itself goes on working
+
+    def test_a_home_never_lies_in_a_shared_folder_whose_members_would_read_it(
+        self, client, anon, root
+    ):
+        put_note(client, "notes/Family/list.md", "bread")
+        ann, as_ann = device_of(client, anon, "Ann")
+        body = {"members": [{"person": ann["id"], "scope": "write"}]}
+        client.put_json(f"{API}/folders/notes%2FFamily/members", body)
+        resp = add_person(client, "Kid", status=409, home="notes/Family/kid")
+        assert "shared" in assert_error(resp, 409, "CONFLICT")["message"]
+        as_ann.get(f"{API}/folders/tree/notes%2FFamily%2Fkid", status=404)
+        assert add_person(client, "Kid", home="notes/kid")["person"]["home"] == "notes/kid"
+        shutil.rmtree(root / "notes" / "Family")  # gone (by hand): its members with it
+        add_person(client, "Lou", home="notes/Family/lou")
+        assert data(as_ann.get(f"{API}/shared"))["folders"] == []
+
     def test_a_person_is_renamed_and_their_home_keeps_its_name(self, client):
         pid = add_person(client, "Ann")["person"]["id"]
         renamed = data(client.patch_json(f"{API}/people/{pid}", {"name": "Annie"}))["person"]
@@ -154,6 +181,52 @@ class TestReach:
         client.put_json(f"{API}/folders/notes%2FFamily/members", {"members": []})
         as_ann.get(note_url("notes/Family/shopping.md"), status=404)  # cut at once
 
+    def test_a_folder_deleted_takes_its_members_and_a_new_home_there_starts_unshared(
+        self, client, anon, dav, root
+    ):
+        bob, as_bob = device_of(client, anon, "Bob")
+        for folder in ("notes/Temp", "notes/Gone"):
+            put_note(client, f"{folder}/a.md", "the owner's")
+            body = {"members": [{"person": bob["id"], "scope": "read"}]}
+            client.put_json(f"{API}/folders/{folder.replace('/', '%2F')}/members", body)
+        dav("DELETE", "notes/Temp", status=204)  # deleted whole: its shares end with it
+        shutil.rmtree(root / "notes" / "Gone")  # taken away by hand on the machine
+        shared = [f["path"] for f in data(as_bob.get(f"{API}/shared"))["folders"]]
+        assert shared == ["notes/Gone"]
+        for name in ("Temp", "Gone"):  # a new person whose home is the old folder's path
+            _, as_new = device_of(client, anon, name)
+            put_note(as_new, f"notes/{name}/diary.md", "mine alone")
+            as_bob.get(note_url(f"notes/{name}/diary.md"), status=404)
+            assert data(client.get(f"{API}/folders/notes%2F{name}/members"))["members"] == []
+        assert data(as_bob.get(f"{API}/shared"))["folders"] == []
+
+    def test_a_key_narrowed_to_a_share_that_ends_reaches_nothing_not_everything(self, client, anon):
+        put_note(client, "notes/owner/secret.md", "the owner's diary")
+        put_note(client, "notes/Family/list.md", "bread #shop")
+        ann, as_ann = device_of(client, anon, "Ann")
+        put_note(as_ann, "notes/Ann/mine.md", "her own diary")
+        members = f"{API}/folders/notes%2FFamily/members"
+        client.put_json(members, {"members": [{"person": ann["id"], "scope": "read"}]})
+        body = {"name": "family only", "scope": "write", "folder": "notes/Family"}
+        narrow = with_key(anon, data(as_ann.post_json(f"{API}/auth/keys", body))["key"])
+        link = data(narrow.post_json(f"{API}/shares", {"path": "notes/Family/list.md"}))
+        token = link["url"].rsplit("/", 1)[-1]
+        assert paths(data(narrow.get(f"{API}/notes"))) == ["notes/Family/list.md"]
+        client.put_json(members, {"members": []})  # the share ends: the key reaches nothing
+        assert data(narrow.get(f"{API}/notes"))["notes"] == []
+        assert search(narrow, "diary")["total"] == 0
+        narrow.get(note_url("notes/owner/secret.md"), status=404)
+        narrow.get(note_url("notes/Ann/mine.md"), status=404)
+        assert data(narrow.get(f"{API}/folders/tree"))["children"] == []
+        assert data(narrow.get(f"{API}/changes"))["changes"] == []
+        assert data(narrow.get(f"{API}/plugins/tags"))["tags"] == []
+        assert data(narrow.post_json(f"{API}/auth/verify", {}))["reach"] == []
+        anon.get(f"{API}/shared/{token}", status=404)  # a link dies with its maker's reach
+        mcp = {"jsonrpc": "2.0", "id": 1, "method": "tools/call"}
+        mcp["params"] = {"name": "read_note", "arguments": {"path": "notes/owner/secret.md"}}
+        answer = narrow.post_json(f"{API}/mcp", mcp).json["result"]
+        assert answer["isError"] is True
+
     def test_a_person_shares_folders_of_their_home_only(self, client, anon):
         ann, as_ann = device_of(client, anon, "Ann")
         bob, as_bob = device_of(client, anon, "Bob")
@@ -172,9 +245,9 @@ class TestReach:
         resp = as_ann.put_json(
             f"{API}/folders/notes%2FAnn%2FTrips/members",
             {"members": [{"person": "p_nobodyhere", "scope": "read"}]},
-            status=404,
+            status=400,
         )
-        assert_error(resp, 404, "NOT_FOUND")
+        assert_error(resp, 400, "VALIDATION_ERROR")
         shared = data(as_bob.get(f"{API}/shared"))["folders"]
         assert shared[0]["sharedBy"] == {"id": ann["id"], "name": "Ann"}
 

@@ -74,3 +74,21 @@ class TestFileTextAcrossReach:
         assert [r["path"] for r in search(as_ann, "bicycle")["results"]] == ["notes/Ann/bike.md"]
         key = data(client.post_json(f"{API}/auth/keys", {"name": "x", "scope": "read"}))["key"]
         assert search(with_key(anon, key), "bicycle")["total"] == 1  # the owner's keys see all
+
+
+class TestReaderLineAcrossReach:
+    def test_the_reader_line_counts_the_files_a_person_reaches_and_names_none_else(
+        self, client, anon
+    ):
+        _ann, as_ann = device_of(client, anon, "Ann")
+        upload(client, "attachments/owner/divorce.pdf", b"%PDF-1.4 not really a pdf")
+        upload(client, "attachments/owner/will.pdf", text_pdf(["the house goes to the cat"]))
+        upload(as_ann, "attachments/Ann/receipt.pdf", text_pdf(["a receipt for the bicycle"]))
+        owners = settled(client, 3)
+        assert (owners["files"], owners["read"]) == (3, 3)
+        assert any("divorce.pdf" in said for said in owners["said"])  # the owner sees all
+        hers = data(as_ann.get(f"{API}/capture"))["attachmentText"]
+        assert (hers["files"], hers["read"], hers["waiting"]) == (1, 1, 0)
+        assert (hers["said"], hers["reading"], hers["lastRead"]) == ([], None, None)
+        assert "divorce" not in str(hers)
+        assert (hers["enabled"], hers["tools"]) == (True, owners["tools"])

@@ -159,7 +159,7 @@ class TestPeopleFeed:
         last = feed(owner)["last"]
         update(as_bob, "notes/Bob/todo.md", "changed")
         owner.app.service.close()
-        again = with_key(make_app(root))
+        again = with_key(make_app(root), owner.extra_environ["HTTP_X_SERVICE_KEY"])
         (entry,) = feed(again, last)["changes"]
         assert entry["person"] == {"id": bob["id"], "name": "Bob"}
         assert entry["savedBy"] == "Bob · Bob's phone"

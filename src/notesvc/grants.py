@@ -167,6 +167,9 @@ class Reach:
 
 
 EVERYTHING = Reach(everything=True)
+# The filter of a reach of nothing: a folder no note path lies in (paths hold no control
+# character), so that every `() means everything` test sees a folder, and nothing in it.
+NOWHERE = NOTES + "/\x01"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,8 +200,11 @@ class Principal:
 
     @property
     def folders(self) -> tuple:
-        """Return the folders it sees as a filter: () for everything."""
-        return () if self.reach.everything else self.reach.tops
+        """Return the folders it sees as a filter: () for everything; for a reach of nothing
+        (a key narrowed to a folder no longer shared with its person) (NOWHERE,), never ()."""
+        if self.reach.everything:
+            return ()
+        return self.reach.tops or (NOWHERE,)
 
     @property
     def home(self) -> str:
@@ -460,6 +466,8 @@ def granted_tree(
         return svc.notes.tree(asked, depth, count)
     root = {"name": asked.rsplit("/", 1)[-1], "path": asked, "type": "folder", "children": []}
     for folder in shown:
+        if folder == NOWHERE:  # a reach of nothing: not even a way down
+            continue
         way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to it
         left = None if depth is None else depth - len(way)
         if left is not None and left < 0:  # the cut falls on the way down

@@ -150,6 +150,15 @@ class PeopleStore:
                     raise ApiError(
                         409, "CONFLICT", f"{home} lies in {p['name']}'s home, or holds it"
                     )
+            above = [f for f in data.get("members", {}) if inside(home, f) and f != home]
+            shared = next((f for f in above if self.notes.on_disk(f).is_dir()), None)
+            if shared is not None:  # (its members would read the home)
+                raise ApiError(
+                    409,
+                    "CONFLICT",
+                    f"{home} lies in {shared}, a shared folder: its members would read it; "
+                    "give 'home' a folder outside it",
+                )
             if self.notes.on_disk(home).exists():
                 raise ApiError(
                     409,
@@ -158,11 +167,22 @@ class PeopleStore:
                     "free folder for them",
                 )
             people.append(person)
+            # setup is done once someone else lives here: its page (open to the home network
+            # while setup is unfinished) must never hand a person the owner's key
+            data["setupComplete"] = True
+            data.pop("apiKey", None)
+            # a home starts unshared: members left on a folder of that path, or above it,
+            # that is gone (taken away by hand) were the old folder's, never the new person's
+            members = data.get("members", {})
+            stale = [f for f in members if inside(f, home) or inside(home, f)]  # (all gone)
+            for folder in stale:
+                del members[folder]
             if then is not None:
                 then(data, person)
-            return person
+            return stale
 
-        self.state.update(change)
+        if self.state.update(change):
+            self._changed()  # (the stale members' feeds wake and see them gone)
         try:
             self.notes.on_disk(home).mkdir(mode=0o700, parents=True, exist_ok=True)
         except OSError as e:  # the home appears with their first note anyway
@@ -258,7 +278,7 @@ class PeopleStore:
 
         The owner shares any folder; a person a folder inside their home (403 elsewhere).
         Each member is a person other than the one sharing and other than the folder's own
-        person (whose home holds it): 404 for an unknown id; 400 for oneself, a repeat or a bad
+        person (whose home holds it): 400 for an unknown id, oneself, a repeat or a bad
         scope. Members of the folders above are kept (a deeper share adds, never takes)."""
         if not isinstance(raw, list) or len(raw) > MAX_PEOPLE:
             raise bad_request(f"'members' must be a list of at most {MAX_PEOPLE} people")
@@ -277,7 +297,7 @@ class PeopleStore:
             if not isinstance(pid, str):
                 raise bad_request("a member's 'person' is a person's id")
             if self.get(pid, data) is None:
-                raise not_found(f"no person {pid[:40]!r} to share with")
+                raise bad_request(f"no person {pid[:40]!r} to share with")
             if scope not in SHARE_SCOPES:
                 raise bad_request(f"a member's scope is one of {', '.join(SHARE_SCOPES)}")
             if pid == sharer or (owner_home is not None and pid == owner_home["id"]):
@@ -362,6 +382,21 @@ class PeopleStore:
                 raise ApiError(
                     409, "CONFLICT", f"{home} would lie in another person's home, or hold one"
                 )
+
+    def folder_deleted(self, folder: str) -> None:
+        """Forget the members of a folder deleted whole and of the folders in it: a folder
+        made later at that path (a new person's home, say) is not shared with them."""
+        if not any(inside(f, folder) for f in self.state.read().get("members", {})):
+            return
+
+        def change(d: dict) -> None:
+            members = d.get("members", {})
+            for f in [f for f in members if inside(f, folder)]:
+                del members[f]
+
+        self.state.update(change)
+        self._changed()
+        log.info("people: the shares in %s end with it", folder)
 
     def folder_moved(self, old: str, new: str) -> None:
         """Keep homes and members on a folder that moves (old -> new, under notes/), and the

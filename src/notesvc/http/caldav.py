@@ -32,6 +32,7 @@ from notesvc.http.dav import (
     dav_item,
     dav_live,
     dav_name,
+    dav_only_the_way,
     dav_props,
     dav_state,
     dav_xml,
@@ -493,7 +494,8 @@ def cal_propfind(svc: Service, book: TaskBook, res: dict, ctx: dict):
             dav = dav_state(svc)
             root_item = dav_item(svc, "")
             for child in dav_children(svc, root_item, principal):
-                inner = dav_props(dav, child, mode, [(t, ns, lo) for ns, lo, t in wanted])
+                asked = [(t, ns, lo) for ns, lo, t in wanted]
+                inner = dav_props(dav, child, mode, asked, dav_only_the_way(principal, child.path))
                 out.append(_response(dav_href(ctx["script"], child.path, True), inner))
         return cal_multistatus(out)
     kind = res["kind"]

@@ -176,7 +176,9 @@ def secure_address(svc: Service, env: dict) -> str | None:
 def get_capture(svc: Service) -> dict:
     """GET /capture: what Record and the line about the text inside files need."""
     env = bottle.request.environ
-    reader = svc.reader.info() if svc.reader is not None else {"enabled": False}
+    who = request_principal()  # a person, a folder key: the files they see only
+    sees = None if who.whole else who.sees
+    reader = svc.reader.info(sees) if svc.reader is not None else {"enabled": False}
     return {
         "record": {
             "transcribe": bool(svc.config.transcribe_url),

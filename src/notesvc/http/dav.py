@@ -809,14 +809,17 @@ def dav_delete(svc: Service, dav: DavState, item: DavItem) -> None:
     dav.drop_props(item.path)
 
 
-def dav_can_place(svc: Service, src: DavItem, dst: str, depth: str) -> None:
+def dav_can_place(
+    svc: Service, src: DavItem, dst: str, depth: str, principal: Principal = OWNER
+) -> None:
     """Refuse a copy or move before it starts: each file it would write must be one its new
     place takes (a note: UTF-8, the body limit; under attachments/: an attachment's
-    extension; any file: the attachment limit), so it never stops halfway."""
+    extension; any file: the attachment limit), so it never stops halfway. Only what
+    `principal` sees is copied (a folder on the way down to its reach: that way only)."""
     if src.is_dir:
-        for child in dav_children(svc, src, OWNER) if depth != "0" else ():
+        for child in dav_children(svc, src, principal) if depth != "0" else ():
             name = child.path.rsplit("/", 1)[-1]
-            dav_can_place(svc, child, dav_checked(f"{dst}/{name}"), depth)
+            dav_can_place(svc, child, dav_checked(f"{dst}/{name}"), depth, principal)
         return
     size, note = src.st.st_size, dav_is_note(dst)
     limit = svc.config.max_body_bytes if note else svc.config.max_attachment_bytes
@@ -837,15 +840,24 @@ def dav_can_place(svc: Service, src: DavItem, dst: str, depth: str) -> None:
             raise DavError(403, e.message) from None
 
 
-def dav_copy(svc: Service, dav: DavState, src: DavItem, dst: str, move: bool, depth: str):
-    """Copy or move src to dst (not there: the caller made room)."""
+def dav_copy(
+    svc: Service,
+    dav: DavState,
+    src: DavItem,
+    dst: str,
+    move: bool,
+    depth: str,
+    principal: Principal = OWNER,
+):
+    """Copy or move src to dst (not there: the caller made room): what `principal` sees of
+    it (a folder above its reach holds only the way down; a move's source is all seen)."""
     if src.is_dir:
         with disk_writes():
             os.makedirs(svc.notes.on_disk(dst), exist_ok=True)
         if depth != "0" or move:
-            for child in dav_children(svc, src, OWNER):
+            for child in dav_children(svc, src, principal):
                 name = child.path.rsplit("/", 1)[-1]
-                dav_copy(svc, dav, child, f"{dst}/{name}", move, depth)
+                dav_copy(svc, dav, child, f"{dst}/{name}", move, depth, principal)
         if move:
             with contextlib.suppress(OSError), disk_writes():
                 os.rmdir(src.file)
@@ -896,24 +908,55 @@ def dav_propfind(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     items = [item]
     if depth == "1" and item.is_dir:
         items += dav_children(svc, item, ctx["principal"])
-    script = ctx["script"]
+    script, principal = ctx["script"], ctx["principal"]
     return dav_multistatus(
-        dav_response(dav_href(script, i.path, i.is_dir), dav_props(dav, i, mode, wanted))
+        dav_response(
+            dav_href(script, i.path, i.is_dir),
+            dav_props(dav, i, mode, wanted, dav_only_the_way(principal, i.path)),
+        )
         for i in items
     )
 
 
-def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
-    dead = dav.props_of(item.path) if dav.props else {}
+def dav_only_the_way(principal: Principal, path: str) -> bool:
+    """Whether a grant sees a folder only as its way down to its reach (notes/, a folder
+    above a shared one, another's home): its dates, locks and properties are others'."""
+    if principal.whole or not path:
+        return False
+    own = (*principal.folders, *(attachments_twin(f) for f in principal.folders))
+    return not any(path == f or path.startswith(f + "/") for f in own)
+
+
+def dav_props(
+    dav: DavState, item: DavItem, mode: str, wanted: list, only_the_way: bool = False
+) -> str:
+    """The properties of item; a folder on the way down shows its name and kind only (no
+    dates, locks or dead properties: they tell of what others keep and do in it)."""
+    dead = dav.props_of(item.path) if dav.props and not only_the_way else {}
+    if only_the_way:
+        bare = dataclasses.replace(item, st=None)
+
+        def live(dav: DavState, _item: DavItem, name: str) -> str | None:
+            if name == "lockdiscovery":
+                return "<D:lockdiscovery/>"
+            return dav_live(dav, bare, name)
+
+        return _dav_props(dav, item, mode, wanted, dead, live)
+    return _dav_props(dav, item, mode, wanted, dead, dav_live)
+
+
+def _dav_props(
+    dav: DavState, item: DavItem, mode: str, wanted: list, dead: dict, live: Callable
+) -> str:
     if mode == "propname":
-        names = [f"<D:{n}/>" for n in _DAV_LIVE if dav_live(dav, item, n) is not None]
+        names = [f"<D:{n}/>" for n in _DAV_LIVE if live(dav, item, n) is not None]
         return dav_propstat(names + [empty_prop(t) for t in dead], [])
     if mode == "allprop":
-        found = [x for n in _DAV_LIVE if (x := dav_live(dav, item, n)) is not None]
+        found = [x for n in _DAV_LIVE if (x := live(dav, item, n)) is not None]
         return dav_propstat(found + list(dead.values()), [])
     found, missing = [], []
     for tag, ns, local in wanted:
-        value = dav_live(dav, item, local) if ns == "DAV:" else None
+        value = live(dav, item, local) if ns == "DAV:" else None
         if value is None:
             value = dead.get(tag)
         (found if value is not None else missing).append(value or empty_prop(tag))
@@ -1054,6 +1097,8 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if item.is_dir and os.path.lexists(item.file):
         raise DavError(409, f"/dav/{item.path}/ holds files whose names no path may hold")
     dav_keep_folder(item)
+    if item.is_dir and item.top == NOTES:
+        svc.people.folder_deleted(item.path)  # its shares end with it
     bottle.response.status = 204
     return b""
 
@@ -1124,7 +1169,7 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     folder_move = move and item.is_dir
     if folder_move:  # a home or a shared folder: who may move it, and where (409/403)
         svc.people.check_folder_change(principal, item.path, dst)
-    dav_can_place(svc, item, dst, depth)  # before anything changes, the target included
+    dav_can_place(svc, item, dst, depth, principal)  # before anything changes, the target too
     if target.exists and target.is_dir:
         svc.people.check_folder_change(principal, target.path, None)
     if not move:
@@ -1134,12 +1179,12 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if folder_move and item.top == NOTES and dst.startswith(NOTES + "/"):
         svc.people.folder_moved(item.path, dst)  # homes, members and links follow it
         try:
-            dav_copy(svc, dav, item, dst, move, depth)
+            dav_copy(svc, dav, item, dst, move, depth, principal)
         except BaseException:
             svc.people.folder_moved(dst, item.path)
             raise
     else:
-        dav_copy(svc, dav, item, dst, move, depth)
+        dav_copy(svc, dav, item, dst, move, depth, principal)
     if move:
         dav.drop_locks(item.path)  # (RFC 4918 9.9.4)
         dav_keep_folder(item)
@@ -1237,8 +1282,9 @@ def dav_unlock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         lk = dav.locks.get(token)
         if lk is None or not lk.covers(item.path):
             raise DavError(409, "no such lock on this resource", "lock-token-matches-request-uri")
-        if lk.holder != ctx["holder"] and not ctx["principal"].allows("admin"):
-            raise DavError(403, "the lock was taken by another key")  # (the owner may end it)
+        who = ctx["principal"]  # the owner may end any lock; a person's admin, their own only
+        if lk.holder != ctx["holder"] and not (who.whole and who.allows("admin")):
+            raise DavError(403, "the lock was taken by another key")
         del dav.locks[token]
     bottle.response.status = 204
     return b""

@@ -13,7 +13,7 @@ from notesvc.audit import key_age_days, run_audit
 from notesvc.auth import JWT_LIFETIME
 from notesvc.boot import API, KEY_HEADER, bottle, log
 from notesvc.errors import ApiError, bad_request, not_found, ok
-from notesvc.grants import made_by, request_principal
+from notesvc.grants import NOWHERE, made_by, request_principal
 from notesvc.helpers import (
     BODY_CHUNK,
     MultipartReader,
@@ -641,7 +641,8 @@ def get_export(svc: Service):
     resp.content_type = "application/zip"
     resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
     resp.set_header("Cache-Control", "no-store")
-    what = ", ".join(principal.folders) or "every note"
+    shown = [f for f in principal.folders if f != NOWHERE]  # (a reach of nothing: none)
+    what = "every note" if principal.whole else ", ".join(shown) or "nothing"
     log.info("request %s: export of %s", current_request_id(), what)
 
     def still(name: str) -> bool:  # a person removed, a share removed, while it streams

@@ -403,8 +403,13 @@ class FileTextReader:
             )
         return ""
 
-    def info(self) -> dict:
-        """What /system/info says: on or off (and why), the tools, how far it got."""
+    def info(self, sees: Callable | None = None) -> dict:
+        """What /system/info says: on or off (and why), the tools, how far it got. With
+        `sees` (a principal that does not see every file: a person, a folder key) only the
+        files it sees count, the file being read shows only if it sees it, and what is
+        server-wide (skipped, failed, pages, when, what was said: file names) is left out."""
+        if sees is not None:
+            return self._info_within(sees)
         with self._lock:
             known = len(self.files)
             waiting = len(self.queue) + (1 if self.current else 0)
@@ -428,6 +433,31 @@ class FileTextReader:
                 "said": list(self.said),
             }
         return answer
+
+    def _info_within(self, sees: Callable) -> dict:
+        with self._lock:
+            seen = {p: v for p, v in self.files.items() if sees(p)}
+            current = self.current if self.current and sees(self.current) else ""
+            waiting = sum(1 for p, _ in self.queue if sees(p)) + (1 if current else 0)
+            return {
+                "enabled": self.enabled,
+                "reason": self.off_reason() or None,
+                "tools": {
+                    "pdftotext": bool(self.tools.pdf),
+                    "ocr": bool(self.tools.ocr),
+                    "pdfOcr": bool(self.tools.pdf_ocr),
+                },
+                "languages": self.langs,
+                "files": len(seen),
+                "read": sum(1 for v in seen.values() if self._done(v[2])),
+                "waiting": waiting,
+                "reading": current or None,
+                "skipped": None,
+                "failed": None,
+                "pages": None,
+                "lastRead": None,
+                "said": [],
+            }
 
     def _done(self, digest: str) -> bool:
         return digest in self.kinds and digest not in self._open

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from notesvc.boot import __version__
-from notesvc.grants import OWNER, Principal, attachments_twin
+from notesvc.grants import NOWHERE, OWNER, Principal, attachments_twin
 from notesvc.helpers import BODY_CHUNK, iso, utcnow
 from notesvc.notes.paths import ATTACHMENTS, NOTES
 from notesvc.transfer.plan import EXPORT_MANIFEST
@@ -139,7 +139,9 @@ def _zip_chunks(zipfile, out, root, principal, progress, still):
             "notesvc": __version__,
             "exportedAt": iso(utcnow()),
             "folder": principal.folder or None,
-            "folders": list(principal.folders) or None,
+            "folders": None  # (everything)
+            if principal.whole
+            else [f for f in principal.folders if f != NOWHERE],
             **counts,
         }
         zf.writestr(EXPORT_MANIFEST, json.dumps(manifest, indent=2) + "\n")
