@@ -55,7 +55,10 @@ data flows, each with the first line of its docstring:
   providers/reader.py     The attachment reader: the text inside PDFs and images (pdftotext, OCR),
                           for search.
   plugins.py              The Plugin record, loading, links and the built-in plugins.
+  suggestions.py          Suggestions: an assistant's edits kept for the person to accept or reject.
   tools.py                The built-in tools MCP clients and the agent may call.
+  mcp_resources.py        MCP resources and prompts: the notes as notesvc:// URIs, and prompts that
+                          embed them.
   webclip.py              Clips: a web page as a Markdown note (the standard library's parser),
                           images attached.
   transfer/plan.py        Imports: the plan, its bounds, and writing it through the stores.
@@ -83,7 +86,10 @@ data flows, each with the first line of its docstring:
                           history, search.
   http/access.py          Handlers for who else gets in: scoped keys, devices, share links, OAuth,
                           relay pairing.
-  http/mcp.py             MCP over JSON-RPC 2.0: /mcp's tools for assistants, in both protocol eras.
+  http/mcp_sessions.py    MCP sessions: Mcp-Session-Id, the GET stream (SSE), subscriptions and
+                          their notifications.
+  http/mcp.py             MCP over JSON-RPC 2.0: /mcp's tools, resources and prompts, in both
+                          protocol eras.
   http/integrations.py    Handlers for channels, reminders, plugins, the security audit, import,
                           export, the page.
   http/dav.py             WebDAV under /dav/: the notes folder in other apps.
@@ -95,7 +101,8 @@ data flows, each with the first line of its docstring:
                           (docs/api.md: People).
   http/capture.py         Handlers for capture: clips (/capture/clip, the /clip page), voice notes,
                           file text.
-  http/routes.py          The route table and OpenAPI.
+  http/openapi.py         The OpenAPI 3.1 document of the route table (GET /api/v1/openapi.json).
+  http/routes.py          The route table (its OpenAPI document: http/openapi.py).
   http/app.py             NotesApp (the middleware) and create_app.
   cli.py                  The command line: parser, cmd_* functions, main().
 """
@@ -172,6 +179,7 @@ import binascii
 import bisect
 import collections
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import datetime as dt
@@ -218,7 +226,7 @@ import uuid
 import weakref
 import zlib
 from collections import OrderedDict, deque
-from collections.abc import Container, Iterable, Mapping, Sequence, Sized
+from collections.abc import Container, Iterable, Iterator, Mapping, Sequence, Sized
 from operator import mul
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, ClassVar
@@ -303,6 +311,17 @@ def _bool(raw: str) -> bool:
     if word in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"{raw!r} is not true or false")
+
+
+def _write_mode(raw: str) -> bool | str:
+    """Parse SERVICE_MCP_WRITE / SERVICE_AGENT_WRITE: true, false (as _bool takes them), or
+    `suggest` (the write tools make suggestions the person accepts or rejects)."""
+    if raw.strip().lower() == "suggest":
+        return "suggest"
+    try:
+        return _bool(raw)
+    except ValueError:
+        raise ValueError(f"{raw!r} is not true, false or suggest") from None
 
 
 def _setup_local_only(raw: str) -> str:
@@ -596,8 +615,22 @@ SETTINGS = (
     Setting("embed_url", "SERVICE_EMBED_URL", "--embed-url", "", _embed_url, "embeddings URL"),
     Setting("embed_model", "SERVICE_EMBED_MODEL", "--embed-model", "", _text, "embeddings model"),
     Setting("embed_key", "SERVICE_EMBED_KEY", "", "", _text, "embeddings API key (a secret)"),
-    Setting("agent_write", "SERVICE_AGENT_WRITE", "", "false", _bool, "the agent may change notes"),
-    Setting("mcp_write", "SERVICE_MCP_WRITE", "", "false", _bool, "MCP clients may change notes"),
+    Setting(
+        "agent_write",
+        "SERVICE_AGENT_WRITE",
+        "",
+        "false",
+        _write_mode,
+        "the agent may change notes (true), or suggest changes (suggest)",
+    ),
+    Setting(
+        "mcp_write",
+        "SERVICE_MCP_WRITE",
+        "",
+        "false",
+        _write_mode,
+        "MCP clients may change notes (true), or suggest changes (suggest)",
+    ),
     Setting(
         "telegram_api_base",
         "SERVICE_TELEGRAM_API_BASE",
@@ -662,7 +695,15 @@ SETTINGS = (
         "",
         "auto",
         _waiters,
-        "change-feed long-polls held at once (auto: half of SERVICE_THREADS)",
+        "change-feed long-polls and MCP streams held at once (auto: half of SERVICE_THREADS)",
+    ),
+    Setting(
+        "mcp_stream_seconds",
+        "SERVICE_MCP_STREAM_SECONDS",
+        "",
+        "10m",
+        _duration(1, 3600),
+        "how long one MCP notification stream (GET /mcp) lasts before the client opens another",
     ),
     Setting(
         "max_connections",
@@ -956,8 +997,9 @@ class Config:
     embed_key: str
     agent_timeout: float
     agent_max_steps: int
-    agent_write: bool
-    mcp_write: bool
+    agent_write: bool | str  # True, False or "suggest"
+    mcp_write: bool | str
+    mcp_stream_seconds: int
     telegram_api_base: str
     whatsapp_api_base: str
     max_body_bytes: int
@@ -3134,6 +3176,7 @@ VERSION_REASONS = (
     "merged",
     "dav",
     "caldav",
+    "suggestion",
 )
 VERSION_ID_RE = re.compile(r"^([0-9]{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
 
@@ -4776,14 +4819,39 @@ class ChangeJournal:
             finally:
                 self._waiting[pool] -= 1
 
+    def take_slot(self, pool: str, cap: int) -> bool:
+        """Hold one of `pool`'s `cap` waiting places for a follower that stays (an MCP
+        session's stream): False when they are all taken. give_slot() gives it back."""
+        with self._cond:
+            if self._waiting[pool] >= cap:
+                return False
+            self._waiting[pool] += 1
+            return True
+
+    def give_slot(self, pool: str) -> None:
+        with self._cond:
+            self._waiting[pool] -= 1
+
+    def wait_past(self, since: int, timeout: float, stop: Callable = lambda: False) -> bool:
+        """Wait up to timeout s for a change after `since` (or stop(), or the server
+        stopping), a place already held (take_slot); return whether a change came."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.last > since or self._closed or stop(), timeout)
+            return self.last > since
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def nudges(self) -> int:
         """Return how many times who sees what changed (wait_after's `nudges`)."""
         with self._cond:
             return self._nudges
 
     def nudge(self) -> None:
-        """Wake the waiting feeds to look at their principal again: a share ended, a key
-        was revoked (what a feed shows is cut at once, a waiting one too)."""
+        """Wake the waiting feeds and MCP streams to look at their principal again (a share
+        ended, a key was revoked: what a feed shows is cut at once, a waiting one too) and a
+        stream at its stop() (replaced, its session ended)."""
         with self._cond:
             self._nudges += 1
             self._cond.notify_all()
@@ -5475,23 +5543,35 @@ class NoteStore(FileTree):
         return None
 
     def merge(
-        self, path: str, base: str, content: str, conflict_name: str, sees: Callable | None = None
+        self,
+        path: str,
+        base: str,
+        content: str,
+        conflict_name: str,
+        sees: Callable | None = None,
+        reason: str = "",
+        base_text: str | None = None,
     ) -> dict:
         """Write an edit that started from the version `base` (an ETag): as it is when the
         note is still that version; else merged line-wise three ways with what changed
         since (one atomic write, `merged` in history). When the changes overlap, or `base`
         is unknown (or, with `sees`, a version saved where a folder grant cannot read), the
         note stays as it is and the edit is kept beside it as a conflict copy: 409 with its
-        path. Returns {note, merged}."""
+        path. `reason`: history's reason for either write (a suggestion's); `base_text`:
+        the content `base` names, when the caller kept it. Returns {note, merged}."""
         self.encode(content)  # too large, not text: refused before anything
         for _ in range(5):  # another write may land in between: merge with that one
             raw, st = self._read(path)
             if make_etag(raw) == base:
                 with contextlib.suppress(PreconditionFailed):
-                    return {"note": self.update(path, content, base), "merged": False}
+                    note = self.update(path, content, base, reason=reason or "updated")
+                    return {"note": note, "merged": False}
                 continue
             current = self.decode(path, raw)
-            old = self.version_with(path, base, sees)
+            if base_text is not None and make_etag(base_text.encode("utf-8")) == base:
+                old = base_text.encode("utf-8")
+            else:
+                old = self.version_with(path, base, sees)
             if old is None and current == content:  # nothing to keep apart: already so
                 return {"note": self.record(path, raw, st), "merged": False}
             merged, clash = (
@@ -5500,7 +5580,7 @@ class NoteStore(FileTree):
             if clash:
                 break
             with contextlib.suppress(PreconditionFailed):
-                rec = self.update(path, merged, make_etag(raw), reason="merged")
+                rec = self.update(path, merged, make_etag(raw), reason=reason or "merged")
                 return {"note": rec, "merged": True}
         copy = self.create_beside(path, conflict_name, content, conflict=True)
         err = ApiError(
@@ -14629,6 +14709,7 @@ class Service:
         self.trash = Trash(state / "trash", config.trash_days)
         self.journal = ChangeJournal(state / "changes.log")
         self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
+        self._acting = threading.local()  # acting_as: who a change is saved by, overridden
         self.notes.actor = self.saved_by  # versions name who saved them
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
         # the other files beside the notes (an image in a vault, put there over WebDAV)
@@ -14659,11 +14740,27 @@ class Service:
         # ... and made on first use, by the function named (a request of theirs):
         self.task_book: Any = None  # TaskBook: the tasks' UIDs and sync tokens (task_book)
         self.dav: Any = None  # DavState: WebDAV's locks, properties, ETags (dav_state)
+        self.suggestions: Any = None  # SuggestionStore: edits waiting for approval
+        self.mcp_sessions: Any = None  # McpSessions: MCP's sessions, streams, subscriptions
+
+    @contextlib.contextmanager
+    def acting_as(self, name: str | None):
+        """Within it, changes are saved by `name` (history's savedBy): an accepted
+        suggestion names the connector that made it, not the person who accepted it."""
+        before = getattr(self._acting, "name", None)
+        self._acting.name = name
+        try:
+            yield
+        finally:
+            self._acting.name = before
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a
         key's, an app's; a person's as `<person> · <device>`), as versions record it; None
         for the owner or outside a request."""
+        acting = getattr(self._acting, "name", None)  # a suggestion accepted: its connector
+        if acting is not None:
+            return acting
         who, via = request_principal(), acting_via()
         if via:  # a chat bound to a person: "<person> · <channel>"
             person = self.people.get(who.person)
@@ -15441,6 +15538,10 @@ class Tool:
     plugin: str = ""  # offered only while this plugin is on ("": always)
     text: Callable | None = None  # structured result -> the text a model reads (default JSON)
     alias_of: str = ""  # the same service under a name some client expects (MCP only)
+    output: dict | None = None  # JSON Schema of the structured result (MCP's outputSchema)
+    app_only: bool = False  # for MCP Apps only (the review card's): offered in suggest mode,
+    # hidden from the model (`_meta.ui.visibility: ["app"]`), never to the agent
+    review: bool = False  # its result shows in the review card (`_meta.ui.resourceUri`)
 
     def annotations(self) -> dict:
         """Return MCP's annotations of the tool (hints for clients, never enforced by them)."""
@@ -15469,8 +15570,12 @@ def tool(
     plugin: str = "",
     text: Callable | None = None,
     alias_of: str = "",
+    output: dict | None = None,
+    app_only: bool = False,
+    review: bool = False,
 ) -> Callable:
-    """Register a tool function under name; `properties` are its arguments' JSON Schemas."""
+    """Register a tool function under name; `properties` are its arguments' JSON Schemas,
+    `output` the JSON Schema's properties of its structured result."""
     if not TOOL_NAME_RE.match(name):
         raise ValueError(f"tool name {name!r} is not 1-64 of A-Z a-z 0-9 _ -")
     schema = {
@@ -15493,22 +15598,28 @@ def tool(
             plugin,
             text,
             alias_of,
+            {"type": "object", "properties": dict(output)} if output is not None else None,
+            app_only,
+            review,
         )
         return fn
 
     return register
 
 
-def available_tools(svc: Service, writes: bool) -> list:
-    """Return the tools this app offers: read-only ones, write ones when `writes` and the
-    request's grant may write, each only while its plugin is on. A folder grant gets the
-    built-in tools only: they keep it in its folder, a plugin's tool may not."""
+def available_tools(svc: Service, writes: bool | str) -> list:
+    """Return the tools this app offers: read-only ones, write ones when `writes` (True or
+    "suggest") and the request's grant may write, each only while its plugin is on; the
+    review card's own tools in "suggest" mode only. A folder grant gets the built-in tools
+    only: they keep it in its folder, a plugin's tool may not."""
     who = request_principal()
-    writes = writes and who.allows("write")
+    suggest = writes == "suggest"
+    writes = bool(writes) and who.allows("write")
     return [
         t
         for t in svc.tools.values()
         if (writes or t.read_only)
+        and (suggest or not t.app_only)
         and (not t.plugin or svc.plugin_enabled(t.plugin))
         and (who.whole or TOOLS.get(t.name) is t)
     ]
@@ -15575,14 +15686,20 @@ def tool_error(code: str, message: str) -> dict:
     }
 
 
-def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
+# While a tool runs for a caller in `suggest` mode (SERVICE_MCP_WRITE or SERVICE_AGENT_WRITE),
+# this holds the connector {id, name} the write tools make suggestions for (else None).
+SUGGESTING: contextvars.ContextVar = contextvars.ContextVar("notesvc_suggesting", default=None)
+
+
+def call_tool(svc: Service, tool: Tool, arguments: Any, suggest: dict | None = None) -> dict:
     """Return the result of one tool call as MCP's CallToolResult {content, structuredContent,
-    isError}.
+    isError}; `suggest`: the connector whose write tools make suggestions instead.
 
     Whatever a model can recover from (bad arguments, a missing note, a stale etag) is an
     isError result whose text says what to do; a bug is logged and answered with its request
     id only. Nothing raises.
     """
+    token = SUGGESTING.set(suggest)
     try:
         data = tool.run(svc, **checked_arguments(tool.schema, arguments))
     except ApiError as e:
@@ -15591,6 +15708,8 @@ def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
         rid = current_request_id()
         log.exception("request %s: tool %s failed", rid, tool.name)
         return tool_error("INTERNAL_ERROR", f"internal error; request id {rid}")
+    finally:
+        SUGGESTING.reset(token)
     text = tool.text(data) if tool.text else to_json(data).decode("utf-8")
     return {
         "content": [{"type": "text", "text": text}],
@@ -15670,6 +15789,8 @@ WRITE_PROMPT = (
     "Change notes only when the user asks you to; read a note first and pass the etag you "
     "read to update_note or move_note."
 )
+# who the agent's suggestions come from (SERVICE_AGENT_WRITE=suggest): their connector
+AGENT_CONNECTOR = {"id": "agent", "name": "Agent"}
 MAX_TOOL_CALLS_PER_STEP = 8  # run of one model answer; the others are answered "skipped"
 MAX_TOOL_TEXT = 16000  # characters of one tool result a model is given
 
@@ -15723,7 +15844,7 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
     """
     cfg = svc.config
     url, headers = agent_endpoint(cfg.agent_base_url, "/chat/completions", cfg.agent_api_key)
-    tools = [t for t in available_tools(svc, cfg.agent_write) if not t.alias_of]
+    tools = [t for t in available_tools(svc, cfg.agent_write) if not t.alias_of and not t.app_only]
     specs = [openai_tool(t) for t in tools]
     prompt = SYSTEM_PROMPT + (f" {TOOLS_PROMPT}" if specs else "")
     prompt += f" {WRITE_PROMPT}" if any(not t.read_only for t in tools) else ""
@@ -15826,7 +15947,8 @@ def run_tool_call(svc: Service, tools: list, call: Any, touched: list) -> dict:
         except ValueError:
             result = tool_error("VALIDATION_ERROR", "the arguments are not valid JSON")
         else:
-            result = call_tool(svc, offered[name], arguments)
+            suggest = AGENT_CONNECTOR if svc.config.agent_write == "suggest" else None
+            result = call_tool(svc, offered[name], arguments, suggest)
             path = result["structuredContent"].get("path")
             if not result["isError"] and isinstance(path, str) and path not in touched:
                 touched.append(path)
@@ -19662,6 +19784,293 @@ builtin_plugin(
 )
 
 
+# == src/notesvc/suggestions.py ===============================================
+# Suggestions: an assistant's edits kept for the person to accept or reject.
+
+# -- the store: open suggestions in <state>/suggestions.json ---------------------------------
+
+MAX_OPEN_SUGGESTIONS = 200  # beyond it the oldest is rejected, and the answer says so
+SUGGESTION_KINDS = ("create", "edit", "move", "delete")
+
+
+class SuggestionStore:
+    """The open suggestions, oldest first, kept in one JSON file (written whole, atomically,
+    at each change: at most 200 of them). A suggestion closed (accepted or rejected) is
+    gone: its id is then unknown (404)."""
+
+    NAME = "suggestions.json"
+
+    def __init__(self, folder: Path):
+        self.path = folder / self.NAME
+        self.lock = threading.RLock()  # one change at a time; an accept holds it throughout
+        self._open: list = []
+        try:
+            raw = json.loads(self.path.read_text(encoding="utf-8"))
+            self._open = [s for s in raw.get("suggestions", []) if isinstance(s, dict)]
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, AttributeError) as e:
+            log.warning("suggestions: %s could not be read (%s); starting with none", self.path, e)
+
+    def _save(self) -> None:
+        data = json.dumps({"suggestions": self._open}, ensure_ascii=False).encode("utf-8")
+        atomic_write(self.path, data, mode=0o600)
+
+    def add(self, record: dict) -> list:
+        """Keep a new suggestion; return the ones rejected to make room (the oldest)."""
+        with self.lock:
+            self._open.append(record)
+            dropped = []
+            while len(self._open) > MAX_OPEN_SUGGESTIONS:
+                dropped.append(self._open.pop(0))
+            self._save()
+            return dropped
+
+    def all(self) -> list:
+        with self.lock:
+            return list(self._open)
+
+    def get(self, sid: str) -> dict | None:
+        with self.lock:
+            return next((s for s in self._open if s["id"] == sid), None)
+
+    def close(self, sid: str) -> dict | None:
+        """Remove an open suggestion (accepted or rejected); return it, None if not open."""
+        with self.lock:
+            for i, s in enumerate(self._open):
+                if s["id"] == sid:
+                    del self._open[i]
+                    self._save()
+                    return s
+            return None
+
+
+_STORE_START = threading.Lock()
+
+
+def suggestion_store(svc: Service) -> SuggestionStore:
+    """Return the Service's SuggestionStore (`svc.suggestions`), made on first use."""
+    store = svc.suggestions
+    if store is None:
+        with _STORE_START:
+            store = svc.suggestions
+            if store is None:
+                store = SuggestionStore(svc.config.state_dir)
+                svc.suggestions = store
+    return store
+
+
+# -- making one (the write tools in suggest mode) -------------------------------------------
+
+
+def connector_of(svc: Service, principal: Principal) -> dict:
+    """Return {id, name} of who suggests: the grant's id and its app's or device's name
+    (a person's as `<person> · <name>`), the owner's key as {owner, "API key"}."""
+    if not principal.grant_id:
+        return {"id": "owner", "name": "API key"}
+    return {"id": principal.grant_id, "name": svc.saved_by() or principal.kind}
+
+
+def suggestion_url(svc: Service, sid: str) -> str:
+    """Return where the web client shows a suggestion: `<base>/#suggestion=<id>`."""
+    try:
+        environ = bottle.request.environ
+        base = svc.issuer(environ)
+    except (AttributeError, RuntimeError, KeyError):
+        base = svc.config.public_url
+    return f"{base}/#suggestion={sid}"
+
+
+def make_suggestion(
+    svc: Service,
+    kind: str,
+    path: str,
+    *,
+    content: str | None = None,
+    new_path: str | None = None,
+    base: str | None = None,
+    base_text: str | None = None,
+    update_links: bool = False,
+    connector: dict | None = None,
+) -> dict:
+    """Keep a suggestion; return what the assistant is told: {suggestion: {id, url, kind,
+    path}, rejected: [...] (the oldest, when the 200 open were full)}."""
+    if kind not in SUGGESTION_KINDS:
+        raise ValueError(f"unknown suggestion kind {kind!r}")
+    principal = request_principal()
+    who = connector or connector_of(svc, principal)
+    record = {
+        "id": secrets.token_urlsafe(12),
+        "kind": kind,
+        "path": path,
+        "base": base,
+        "connector": who,
+        "savedBy": who["name"] if who["id"] != "owner" else None,
+        "createdAt": iso(time.time()),
+    }
+    if content is not None:
+        record["content"] = content
+    if base_text is not None:
+        record["baseText"] = base_text
+    if new_path is not None:
+        record["newPath"] = new_path
+        record["updateLinks"] = bool(update_links)
+    dropped = suggestion_store(svc).add(record)
+    answer: dict = {
+        "suggestion": {
+            "id": record["id"],
+            "url": suggestion_url(svc, record["id"]),
+            "kind": kind,
+            "path": path,
+            **({"newPath": new_path} if new_path is not None else {}),
+        }
+    }
+    if dropped:
+        answer["rejected"] = [{"id": s["id"], "path": s["path"]} for s in dropped]
+        answer["note"] = (
+            f"at most {MAX_OPEN_SUGGESTIONS} suggestions wait at once: the oldest "
+            f"{len(dropped)} {'was' if len(dropped) == 1 else 'were'} rejected to make room"
+        )
+    return answer
+
+
+# -- what a person sees of one ------------------------------------------------------------
+
+
+def suggestion_diff(s: dict) -> str:
+    """Return a suggestion as a unified diff (a move: git's `rename from/to` lines)."""
+    path = s["path"]
+    if s["kind"] == "create":
+        return unified_diff("", s.get("content", ""), "/dev/null", f"b/{path}")
+    if s["kind"] == "edit":
+        return unified_diff(s.get("baseText", ""), s.get("content", ""), f"a/{path}", f"b/{path}")
+    if s["kind"] == "delete":
+        return unified_diff(s.get("baseText", ""), "", f"a/{path}", "/dev/null")
+    return f"rename from {path}\nrename to {s.get('newPath', '')}\n"
+
+
+def public_suggestion(svc: Service, s: dict) -> dict:
+    """Return a suggestion as the API lists it (no internal fields)."""
+    shown = {k: s[k] for k in ("id", "kind", "path", "base") if k in s}
+    if "newPath" in s:
+        shown["newPath"] = s["newPath"]
+    if "content" in s:
+        shown["content"] = s["content"]
+    shown.update(
+        diff=suggestion_diff(s),
+        connector=s["connector"],
+        createdAt=s["createdAt"],
+        url=suggestion_url(svc, s["id"]),
+    )
+    return shown
+
+
+def sees_suggestion(principal: Principal, s: dict) -> bool:
+    return principal.sees(s["path"]) and (not s.get("newPath") or principal.sees(s["newPath"]))
+
+
+def open_suggestions(svc: Service, principal: Principal | None = None) -> list:
+    """Return the open suggestions a principal reaches, newest first."""
+    principal = principal or request_principal()
+    shown = [s for s in suggestion_store(svc).all() if sees_suggestion(principal, s)]
+    return list(reversed(shown))
+
+
+def visible_suggestion(svc: Service, sid: Any, write: bool = False) -> dict:
+    """Return the open suggestion `sid` the request's principal reaches (with write: may
+    apply); 404 when closed, unknown or out of reach, 403 where it may only read."""
+    principal = request_principal()
+    s = suggestion_store(svc).get(sid) if isinstance(sid, str) else None
+    if s is None or not sees_suggestion(principal, s):
+        raise not_found(f"no open suggestion {str(sid)[:40]!r} (accepted, rejected or unknown)")
+    if write and not (
+        principal.may_write(s["path"])
+        and (not s.get("newPath") or principal.may_write(s["newPath"]))
+    ):
+        raise ApiError(403, "FORBIDDEN", f"applying it needs write access to {s['path']}")
+    return s
+
+
+# -- accepting and rejecting ----------------------------------------------------------------
+
+
+def reject_suggestion(svc: Service, sid: Any) -> dict:
+    """Close a suggestion unapplied; 404 when it is not open (or not in reach)."""
+    store = suggestion_store(svc)
+    with store.lock:
+        s = visible_suggestion(svc, sid, write=True)
+        store.close(s["id"])
+    return {"id": s["id"], "status": "rejected"}
+
+
+def accept_suggestion(svc: Service, sid: Any) -> dict:
+    """Apply a suggestion, saved by its connector (history's savedBy, reason `suggestion`):
+    {suggestion: {id, status}, note, merged}. An edit goes through the three-way merge
+    against its base; when that clashes the edit is kept as a conflict copy (409 with
+    `path` and `conflictPath`) and the suggestion is closed. A create onto a taken path
+    gets ` 2`; a move or a delete applies only while the note is still its base (else
+    409, and the suggestion stays open). It applies even if its connector was revoked
+    since: the person decides."""
+    store = suggestion_store(svc)
+    with store.lock:
+        s = visible_suggestion(svc, sid, write=True)
+        try:
+            with svc.acting_as(s.get("savedBy")):
+                note, merged = _apply_suggestion(svc, s)
+        except ApiError as e:
+            if e.status_code == 409 and getattr(e, "extra", None):  # a conflict copy: done
+                store.close(s["id"])
+            raise
+        store.close(s["id"])
+    return {"suggestion": {"id": s["id"], "status": "accepted"}, "note": note, "merged": merged}
+
+
+def _stale(s: dict, what: str) -> ApiError:
+    return ApiError(
+        409,
+        "CONFLICT",
+        f"{s['path']} changed since this {what} was suggested: it is not applied and stays "
+        "open (reject it, or ask for it again)",
+    )
+
+
+def _apply_suggestion(svc: Service, s: dict) -> tuple:
+    kind, path = s["kind"], s["path"]
+    if kind == "create":
+        folder, name = path.rsplit("/", 1)
+        return svc.notes.create_named(folder, name[:-3], s.get("content", "")), False
+    if kind == "move":
+        try:
+            rec = move_and_relink(svc, path, s["newPath"], s["base"], s.get("updateLinks", False))
+        except PreconditionFailed:
+            raise _stale(s, "move") from None
+        except ApiError as e:
+            if e.status_code == 404:
+                raise _stale(s, "move") from None
+            raise
+        return rec, False
+    if kind == "delete":
+        try:
+            return svc.notes.delete(path, s["base"]), False
+        except PreconditionFailed:
+            raise _stale(s, "deletion") from None
+    # an edit: merged with whatever changed since its base (a note deleted since: made again)
+    if not svc.notes.exists(path):
+        return svc.notes.create(path, s.get("content", "")), False
+    who = title_filename(s["connector"].get("name") or "assistant")
+    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
+    base = s.get("base") or make_etag(s.get("baseText", "").encode("utf-8"))
+    done = svc.notes.merge(
+        path,
+        base,
+        s.get("content", ""),
+        f"conflict {who} {when}",
+        reason="suggestion",
+        base_text=s.get("baseText"),
+    )
+    return done["note"], done["merged"]
+
+
 # == src/notesvc/tools.py =====================================================
 # The built-in tools MCP clients and the agent may call.
 
@@ -19693,6 +20102,66 @@ _QUERY_ARG = {
     "a OR b; case, accents and English plurals do not matter",
 }
 READ_CHARS, MAX_READ_CHARS = 20000, 200000  # of a note read_note returns: default, most
+REVIEW_URI = "ui://notesvc/review"  # the MCP App that shows a suggestion or a diff
+
+# the structured results' JSON Schemas (MCP's outputSchema): their properties
+_S, _I, _B = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
+_L = {"type": "array", "items": {"type": "object"}}
+NOTE_SUMMARY = {"path": _S, "title": _S, "etag": _S, "size": _I, "modified": _S}
+SUGGESTION_OUTPUT = {
+    "suggestion": {
+        "type": "object",
+        "properties": {
+            "id": _S,
+            "url": _S,
+            "kind": {"type": "string", "enum": ["create", "edit", "move", "delete"]},
+            "path": _S,
+            "newPath": _S,
+            "diff": _S,
+        },
+        "required": ["id", "url", "kind", "path"],
+    },
+    "rejected": _L,
+    "note": _S,
+}
+
+
+def suggesting() -> dict | None:
+    """Return the connector the write tools make suggestions for (suggest mode), or None."""
+    return SUGGESTING.get()
+
+
+def _suggested(svc: Service, kind: str, path: str, **fields) -> dict:
+    """Return a write tool's answer in suggest mode: the suggestion made (with its diff)."""
+    answer = make_suggestion(svc, kind, path, connector=suggesting(), **fields)
+    s = answer["suggestion"]
+    s["diff"] = suggestion_diff(
+        {
+            "kind": kind,
+            "path": path,
+            "content": fields.get("content"),
+            "baseText": fields.get("base_text") or "",
+            "newPath": fields.get("new_path"),
+        }
+    )
+    return answer
+
+
+def _suggestion_text(data: dict) -> str:
+    s = data["suggestion"]
+    where = f"{s['path']} -> {s['newPath']}" if s.get("newPath") else s["path"]
+    text = (
+        f"Suggested ({s['kind']} {where}), not applied: the user reviews it and accepts or "
+        f"rejects it ({s['url']}).\n\n{s.get('diff', '')}"
+    )
+    return text + (f"\n{data['note']}" if data.get("note") else "")
+
+
+def write_text(data: dict) -> str:
+    """Return a write tool's answer as text: a suggestion's, else the JSON."""
+    if "suggestion" in data:
+        return _suggestion_text(data)
+    return to_json(data).decode("utf-8")
 
 
 def note_url(svc: Service, path: str) -> str:
@@ -19734,6 +20203,7 @@ def _hit_lines(data: dict) -> str:
     ("query",),
     title="Search notes",
     text=_hit_lines,
+    output={"results": _L, "total": _I, "mode": _S},
 )
 def tool_search_notes(
     svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
@@ -19764,6 +20234,7 @@ def _related_lines(data: dict) -> str:
     ("path",),
     title="Related notes",
     text=_related_lines,
+    output={"path": _S, "results": _L},
 )
 def tool_related_notes(svc: Service, path: str, limit: int = 10) -> dict:
     path = visible_note(svc.notes, path)
@@ -19795,6 +20266,13 @@ def _note_text(data: dict) -> str:
     ("path",),
     title="Read a note",
     text=_note_text,
+    output={
+        **NOTE_SUMMARY,
+        "content": _S,
+        "offset": _I,
+        "truncated": _B,
+        "totalChars": _I,
+    },
 )
 def tool_read_note(svc: Service, path: str, offset: int = 0, maxChars: int = READ_CHARS) -> dict:
     rec = svc.notes.get(visible_note(svc.notes, path))
@@ -19846,6 +20324,7 @@ def _tree_lines(node: dict, indent: str = "") -> list:
     {"path": _FOLDER_ARG, "depth": {"type": "integer", "minimum": 1, "maximum": 10, "default": 1}},
     title="List a folder",
     text=lambda node: "\n".join(_tree_lines(node)),
+    output={"name": _S, "path": _S, "type": _S, "children": _L},
 )
 def tool_list_folder(svc: Service, path: str = NOTES, depth: int = 1) -> dict:
     return _cut(granted_tree(svc, path), depth)
@@ -19879,6 +20358,7 @@ def _since_ns(since: str) -> int:
         "\n".join(f"{c['modified']} {c['path']} — {c['title']}" for c in d["changes"])
         or "No note changed."
     ),
+    output={"changes": _L, "total": _I},
 )
 def tool_recent_changes(svc: Service, since: str = "", limit: int = 20) -> dict:
     after, sees = _since_ns(since) if since else -1, request_principal().sees
@@ -19902,9 +20382,13 @@ def tool_recent_changes(svc: Service, since: str = "", limit: int = 20) -> dict:
     title="List tags",
     plugin="tags",
     text=lambda d: "\n".join(f"#{t['tag']} ({t['count']})" for t in d["tags"]) or "No tags.",
+    output={"tags": _L},
 )
 def tool_list_tags(svc: Service) -> dict:
     return list_tags(svc)
+
+
+WRITE_OUTPUT = {**NOTE_SUMMARY, **SUGGESTION_OUTPUT}  # what a write tool answers, either way
 
 
 @tool(
@@ -19914,9 +20398,29 @@ def tool_list_tags(svc: Service) -> dict:
     ("path", "content"),
     title="Create a note",
     read_only=False,
+    text=write_text,
+    output=WRITE_OUTPUT,
+    review=True,
 )
 def tool_create_note(svc: Service, path: str, content: str) -> dict:
-    return _summary(svc.notes.create(visible_note(svc.notes, path, write=True), content))
+    path = visible_note(svc.notes, path, write=True)
+    if suggesting():
+        svc.notes.encode(content)
+        if svc.notes.exists(path):
+            raise ApiError(409, "CONFLICT", f"a note already exists at {path}")
+        return _suggested(svc, "create", path, content=content)
+    return _summary(svc.notes.create(path, content))
+
+
+def _suggested_edit(svc: Service, path: str, change) -> dict:
+    """Return the suggestion of an edit: change(text) -> text applied to the note as it is
+    now (its version the base), or what change raises."""
+    rec = svc.notes.get(path)
+    content = change(rec["content"])
+    svc.notes.encode(content)
+    return _suggested(
+        svc, "edit", path, content=content, base=rec["etag"], base_text=rec["content"]
+    )
 
 
 @tool(
@@ -19926,6 +20430,9 @@ def tool_create_note(svc: Service, path: str, content: str) -> dict:
     ("path", "text"),
     title="Append to a note",
     read_only=False,
+    text=write_text,
+    output=WRITE_OUTPUT,
+    review=True,
 )
 def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
     path = visible_note(svc.notes, path, write=True)
@@ -19933,6 +20440,8 @@ def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
     def add(old: str) -> str:
         return old + ("\n" if old and not old.endswith("\n") else "") + text.rstrip("\n") + "\n"
 
+    if suggesting():
+        return _suggested_edit(svc, path, add)
     svc.notes.rewrite(path, add)
     return _summary(svc.notes.get(path))
 
@@ -19950,6 +20459,9 @@ def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
     title="Replace text in a note",
     read_only=False,
     destructive=True,
+    text=write_text,
+    output={**WRITE_OUTPUT, "replaced": _I},
+    review=True,
 )
 def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
     path = visible_note(svc.notes, path, write=True)
@@ -19972,8 +20484,18 @@ def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
             "around it so that it occurs once",
         )
 
+    if suggesting():
+        return _suggested_edit(svc, path, swap)
     svc.notes.rewrite(path, swap)
     return {**_summary(svc.notes.get(path)), "replaced": 1}
+
+
+def _current(svc: Service, path: str, etag: str | None) -> dict:
+    """Return the note as it is now; 412 when an etag is given and it is not this version."""
+    rec = svc.notes.get(path)
+    if etag is not None:
+        svc.notes.check_match(etag, rec["content"].encode("utf-8"))
+    return rec
 
 
 @tool(
@@ -19986,9 +20508,19 @@ def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
     read_only=False,
     destructive=True,
     idempotent=True,
+    text=write_text,
+    output=WRITE_OUTPUT,
+    review=True,
 )
 def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
-    return _summary(svc.notes.update(visible_note(svc.notes, path, write=True), content, etag))
+    path = visible_note(svc.notes, path, write=True)
+    if suggesting():
+        rec = _current(svc, path, etag)
+        svc.notes.encode(content)
+        return _suggested(
+            svc, "edit", path, content=content, base=rec["etag"], base_text=rec["content"]
+        )
+    return _summary(svc.notes.update(path, content, etag))
 
 
 @tool(
@@ -20006,12 +20538,22 @@ def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
     read_only=False,
     destructive=True,
     idempotent=True,
+    text=write_text,
+    output={**WRITE_OUTPUT, "from": _S, "linksUpdated": {"type": "array"}},
+    review=True,
 )
 def tool_move_note(
     svc: Service, path: str, newPath: str, etag: str, updateLinks: bool = False
 ) -> dict:
-    path = visible_note(svc.notes, path, write=True)  # write on both sides (a read share: 403)
+    path = visible_note(svc.notes, path, write=True)
     new = visible_note(svc.notes, newPath, write=True)
+    if suggesting():
+        rec = _current(svc, path, etag)
+        if new != path and svc.notes.exists(new):
+            raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
+        return _suggested(
+            svc, "move", path, new_path=new, base=rec["etag"], update_links=updateLinks
+        )
     rec = move_and_relink(svc, path, new, etag, updateLinks)
     return {**_summary(rec), **{k: rec[k] for k in ("from", "linksUpdated") if k in rec}}
 
@@ -20026,10 +20568,184 @@ def tool_move_note(
     read_only=False,
     destructive=True,
     idempotent=True,
+    text=write_text,
+    output={**WRITE_OUTPUT, "deleted": _B},
+    review=True,
 )
 def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
-    done = svc.notes.delete(visible_note(svc.notes, path, write=True), etag)
+    path = visible_note(svc.notes, path, write=True)
+    if suggesting():
+        rec = _current(svc, path, etag)
+        return _suggested(svc, "delete", path, base=rec["etag"], base_text=rec["content"])
+    done = svc.notes.delete(path, etag)
     return {"path": done["path"], "deleted": True}
+
+
+# -- history: what a note was, and going back to it ------------------------------------------
+
+_VERSION_ARG = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 100,
+    "description": "a version id, as note_history lists it",
+}
+VERSION_FIELDS = {
+    "id": _S,
+    "savedAt": _S,
+    "size": _I,
+    "etag": _S,
+    "reason": _S,
+    "savedBy": {"type": ["string", "null"]},
+    "summary": {"type": ["string", "null"]},
+}
+
+
+def seen_version(svc: Service, path: str, vid: str) -> bytes:
+    """Return a version's content when the request's principal sees the path it was saved
+    at (read, then checked, as the history API does); 400 for a malformed id, else 404."""
+    if not isinstance(vid, str) or not VERSION_ID_RE.match(vid):
+        raise bad_request(f"{str(vid)[:80]!r} is not a version id (see note_history)")
+    data = svc.history.read(path, vid)
+    if not request_principal().sees(svc.history.saved_at(path, vid)):
+        raise not_found(f"no version {vid} of {path}")
+    return data
+
+
+def _history_lines(data: dict) -> str:
+    lines = [
+        f"{v['id']}  {v['savedAt']}  {v['reason']}"
+        + (f" by {v['savedBy']}" if v.get("savedBy") else "")
+        + (f": {v['summary']}" if v.get("summary") else "")
+        for v in data["versions"]
+    ]
+    return "\n".join(lines) or f"{data['path']} has no earlier versions."
+
+
+@tool(
+    "note_history",
+    "A note's earlier versions, newest first: when each was replaced, why (updated, moved, "
+    "merged, suggestion...), by whom, and a summary of the change. Compare them with "
+    "note_diff; go back with restore_version.",
+    {"path": _PATH_ARG, "limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20}},
+    ("path",),
+    title="Note history",
+    text=_history_lines,
+    output={
+        "path": _S,
+        "versions": {"type": "array", "items": {"type": "object", "properties": VERSION_FIELDS}},
+        "total": _I,
+    },
+)
+def tool_note_history(svc: Service, path: str, limit: int = 20) -> dict:
+    path = visible_note(svc.notes, path)
+    principal = request_principal()
+    versions = svc.history.versions(path, None if principal.whole else principal.sees)
+    if not versions and not svc.notes.exists(path):
+        raise not_found(f"no note and no history at {path}")
+    return {"path": path, "versions": versions[:limit], "total": len(versions)}
+
+
+def _text_at(svc: Service, path: str, which: str) -> str:
+    if which == "current":
+        return svc.notes.get(path)["content"]
+    return seen_version(svc, path, which).decode("utf-8", "replace")
+
+
+@tool(
+    "note_diff",
+    "What changed in a note between two versions, as a unified diff: `from` a version id "
+    "(note_history), `to` another or, by default, the note as it is now.",
+    {
+        "path": _PATH_ARG,
+        "from": _VERSION_ARG,
+        "to": {**_VERSION_ARG, "description": "a version id, or current (the default)"},
+    },
+    ("path", "from"),
+    title="Compare versions",
+    text=lambda d: d["diff"] or "No difference.",
+    output={"path": _S, "from": _S, "to": _S, "diff": _S},
+    review=True,
+)
+def tool_note_diff(svc: Service, path: str, to: str = "current", **given) -> dict:
+    path = visible_note(svc.notes, path)
+    start = given["from"]
+    old, new = _text_at(svc, path, start), _text_at(svc, path, to)
+    diff = unified_diff(old, new, f"{path}@{start}", f"{path}@{to}")
+    return {"path": path, "from": start, "to": to, "diff": diff}
+
+
+@tool(
+    "restore_version",
+    "Make an earlier version (note_history) the note's content again; what it replaces "
+    "becomes a version itself. Needs the note's etag (read_note): refused if it changed since.",
+    {"path": _PATH_ARG, "versionId": _VERSION_ARG, "etag": _ETAG_ARG},
+    ("path", "versionId", "etag"),
+    title="Restore a version",
+    read_only=False,
+    destructive=True,
+    idempotent=True,
+    text=write_text,
+    output=WRITE_OUTPUT,
+    review=True,
+)
+def tool_restore_version(svc: Service, path: str, versionId: str, etag: str) -> dict:
+    path = visible_note(svc.notes, path, write=True)
+    if suggesting():
+        rec = _current(svc, path, etag)
+        content = seen_version(svc, path, versionId).decode("utf-8", "replace")
+        return _suggested(
+            svc, "edit", path, content=content, base=rec["etag"], base_text=rec["content"]
+        )
+    seen_version(svc, path, versionId)
+    return _summary(svc.notes.restore_version(path, versionId, etag))
+
+
+# -- the review card's own tools (suggest mode; hidden from the model) ------------------------
+
+_SUGGESTION_ID_ARG = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 64,
+    "description": "a suggestion's id",
+}
+
+
+@tool(
+    "accept_suggestion",
+    "Apply a suggestion (the review card's Accept): an edit is merged with what changed "
+    "since it was made; a clash keeps it as a conflict copy.",
+    {"id": _SUGGESTION_ID_ARG},
+    ("id",),
+    title="Accept a suggestion",
+    read_only=False,
+    destructive=True,
+    app_only=True,
+    text=lambda d: f"Accepted: {d['note']['path']}" + (" (merged)" if d["merged"] else ""),
+    output={
+        "suggestion": {"type": "object"},
+        "note": {"type": "object", "properties": NOTE_SUMMARY},
+        "merged": _B,
+    },
+)
+def tool_accept_suggestion(svc: Service, id: str) -> dict:
+    done = accept_suggestion(svc, id)
+    return {**done, "note": _summary(done["note"]) if "etag" in done["note"] else done["note"]}
+
+
+@tool(
+    "reject_suggestion",
+    "Close a suggestion without applying it (the review card's Reject).",
+    {"id": _SUGGESTION_ID_ARG},
+    ("id",),
+    title="Reject a suggestion",
+    read_only=False,
+    idempotent=True,
+    app_only=True,
+    text=lambda d: f"Rejected suggestion {d['id']}.",
+    output={"id": _S, "status": _S},
+)
+def tool_reject_suggestion(svc: Service, id: str) -> dict:
+    return reject_suggestion(svc, id)
 
 
 @tool(
@@ -20039,6 +20755,7 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
     ("query",),
     title="Search",
     alias_of="search_notes",
+    output={"results": _L},
 )
 def tool_search(svc: Service, query: str) -> dict:
     folders = request_principal().folders  # a grant searches its reach
@@ -20053,6 +20770,7 @@ def tool_search(svc: Service, query: str) -> dict:
     ("id",),
     title="Fetch",
     alias_of="read_note",
+    output={"id": _S, "title": _S, "text": _S, "url": _S, "metadata": {"type": "object"}},
 )
 def tool_fetch(svc: Service, id: str) -> dict:
     rec = svc.notes.get(visible_note(svc.notes, id))
@@ -20063,6 +20781,633 @@ def tool_fetch(svc: Service, id: str) -> dict:
         "url": note_url(svc, rec["path"]),
         "metadata": {k: rec[k] for k in ("etag", "modified", "size")},
     }
+
+
+# == src/notesvc/mcp_resources.py =============================================
+# MCP resources and prompts: the notes as notesvc:// URIs, and prompts that embed them.
+
+# -- errors: JSON-RPC's codes, MCP's "resource not found" --------------------------------------
+
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
+RESOURCE_NOT_FOUND = -32002  # MCP: resources/read of a URI that names nothing (or not for you)
+HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
+
+
+class McpError(Exception):
+    """A JSON-RPC error of an MCP method (http/mcp.py's RpcError answers it)."""
+
+    def __init__(self, code: int, message: str, data: Any = None):
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data
+
+
+# -- URIs: notesvc://<kind>/<path>, each path segment percent-encoded -------------------------
+
+SCHEME = "notesvc://"
+URI_KINDS = ("note", "folder", "version", "attachment")
+MAX_URI_CHARS = 4096
+_URI_RE = re.compile(r"notesvc://([^/?#]*)/([^?#]*)", re.S)
+
+
+def resource_uri(kind: str, path: str, version: str = "") -> str:
+    """Return the URI of a note, folder, attachment or version: each segment of its path
+    percent-encoded (`/` between them kept; a version after the last `@`).
+
+    >>> resource_uri("note", "notes/a b/c@d.md")
+    'notesvc://note/notes/a%20b/c%40d.md'
+    """
+    quoted = "/".join(urllib.parse.quote(seg, safe="") for seg in path.split("/"))
+    return f"{SCHEME}{kind}/{quoted}" + (f"@{version}" if version else "")
+
+
+def parse_uri(uri: Any) -> tuple:
+    """Return (kind, path, version id or "") of a notesvc:// URI; -32602 for anything else:
+    another scheme or host, a query or fragment, `.` or `..` segments (`%2F` reads as `/`).
+
+    >>> parse_uri("notesvc://version/notes/a%2Fb.md@v1")
+    ('version', 'notes/a/b.md', 'v1')
+    """
+    if not isinstance(uri, str) or not uri:
+        raise McpError(INVALID_PARAMS, "params.uri must be a resource URI (a string)")
+    if len(uri) > MAX_URI_CHARS:
+        raise McpError(INVALID_PARAMS, f"the URI is longer than {MAX_URI_CHARS} characters")
+    m = _URI_RE.fullmatch(uri)
+    if not m:
+        raise McpError(
+            INVALID_PARAMS,
+            "unknown resource URI: this server serves notesvc://note/<path>, "
+            "notesvc://folder/<path>, notesvc://version/<path>@<id>, "
+            "notesvc://attachment/<path> and ui://notesvc/review",
+            {"uri": uri[:200]},
+        )
+    kind, raw = m.groups()
+    if kind not in URI_KINDS:
+        raise McpError(
+            INVALID_PARAMS,
+            f"unknown resource kind {kind[:40]!r}: one of {', '.join(URI_KINDS)}",
+            {"uri": uri[:200]},
+        )
+    version = ""
+    if kind == "version":
+        raw, at, version = raw.rpartition("@")
+        if not at or not version:
+            raise McpError(INVALID_PARAMS, "a version URI ends @<versionId>", {"uri": uri[:200]})
+        version = urllib.parse.unquote(version)
+    try:
+        path = "/".join(urllib.parse.unquote(seg, errors="strict") for seg in raw.split("/")).strip(
+            "/"
+        )
+    except UnicodeDecodeError:
+        raise McpError(INVALID_PARAMS, "the URI's path is not UTF-8", {"uri": uri[:200]}) from None
+    if not path or {".", ".."} & set(path.split("/")) or "" in path.split("/"):
+        raise McpError(
+            INVALID_PARAMS, "a resource path has no empty, . or .. segments", {"uri": uri[:200]}
+        )
+    return kind, path, version
+
+
+def _not_found(uri: str) -> McpError:
+    return McpError(RESOURCE_NOT_FOUND, "Resource not found", {"uri": uri[:200]})
+
+
+def checked(uri: str, fn, *args):
+    """Return fn(*args), an ApiError of the guards turned into JSON-RPC: 404 (and 403: what
+    is not yours to see is not there) "not found", anything else invalid params."""
+    try:
+        return fn(*args)
+    except ApiError as e:
+        if e.status_code in (403, 404):
+            raise _not_found(uri) from None
+        raise McpError(INVALID_PARAMS, e.message, {"uri": uri[:200]}) from None
+
+
+# -- resources/list: the notes in reach, newest first, 100 a page -----------------------------
+
+RESOURCE_PAGE = 100
+_CURSOR_KEY = os.urandom(16)  # a cursor is good until the server restarts
+
+
+def _who() -> str:
+    p = request_principal()
+    return p.grant_id or p.kind
+
+
+def make_cursor(offset: int) -> str:
+    body = f"{offset}.{_who()}"
+    mac = hmac.new(_CURSOR_KEY, body.encode(), hashlib.sha256).hexdigest()[:16]
+    return base64.urlsafe_b64encode(f"{offset}.{mac}".encode()).decode().rstrip("=")
+
+
+def read_cursor(cursor: Any) -> int:
+    """Return the offset a cursor names; -32602 for one this server did not give this
+    caller (forged, another caller's, from before a restart)."""
+    if cursor is None:
+        return 0
+    try:
+        if not isinstance(cursor, str) or len(cursor) > 100:
+            raise ValueError
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+        offset_text, mac = raw.split(".")
+        offset = int(offset_text)
+        body = f"{offset}.{_who()}"
+        want = hmac.new(_CURSOR_KEY, body.encode(), hashlib.sha256).hexdigest()[:16]
+        if offset < 0 or not hmac.compare_digest(mac, want):
+            raise ValueError
+    except (ValueError, UnicodeDecodeError):
+        raise McpError(
+            INVALID_PARAMS,
+            "unknown cursor: list again without one (cursors last until the server restarts)",
+        ) from None
+    return offset
+
+
+def list_resources(svc: Service, cursor: Any) -> dict:
+    """resources/list: a page of the notes the caller reaches, most recently changed first."""
+    offset = read_cursor(cursor)
+    principal = request_principal()
+    folders = principal.folders or (NOTES,)
+    try:
+        page = svc.notes.list_page(
+            folders[0] if len(folders) == 1 else folders, RESOURCE_PAGE, offset, "modified"
+        )
+    except ApiError as e:  # a home not made yet: nothing to list
+        if e.status_code != 404:
+            raise
+        page = {"notes": [], "total": 0}
+    resources = [
+        {
+            "uri": resource_uri("note", rec["path"]),
+            "name": rec["path"],
+            "title": rec["title"],
+            "mimeType": "text/markdown",
+            "size": rec["size"],
+            "annotations": {"lastModified": rec["modified"]},
+        }
+        for rec in page["notes"]
+    ]
+    answer: dict = {"resources": resources}
+    if offset + RESOURCE_PAGE < page["total"]:
+        answer["nextCursor"] = make_cursor(offset + RESOURCE_PAGE)
+    return answer
+
+
+RESOURCE_TEMPLATES = [
+    {
+        "uriTemplate": "notesvc://note/{path}",
+        "name": "note",
+        "title": "A note",
+        "description": "A note's Markdown, by its path (notes/<folders>/<name>.md)",
+        "mimeType": "text/markdown",
+    },
+    {
+        "uriTemplate": "notesvc://folder/{path}",
+        "name": "folder",
+        "title": "A folder",
+        "description": "A folder's subfolders and notes, as a Markdown list of links",
+        "mimeType": "text/markdown",
+    },
+    {
+        "uriTemplate": "notesvc://version/{path}@{versionId}",
+        "name": "version",
+        "title": "An earlier version of a note",
+        "description": "A note as it was (note_history lists the version ids)",
+        "mimeType": "text/markdown",
+    },
+    {
+        "uriTemplate": "notesvc://attachment/{path}",
+        "name": "attachment",
+        "title": "An attachment",
+        "description": "A file under attachments/: its bytes up to 1 MiB, else a link",
+    },
+]
+
+
+# -- resources/read ----------------------------------------------------------------------------
+
+MAX_BLOB_BYTES = 1 << 20  # an attachment read inline; larger ones are a link
+
+
+def read_resource(svc: Service, uri: Any, api_base: str = "") -> dict:
+    """resources/read of a notesvc:// URI: {contents: [...]}; -32002 for what is not there
+    or not in the caller's reach, -32602 for a URI that is not one of ours."""
+    kind, path, version = parse_uri(uri)
+    if kind == "note":
+        path = checked(uri, visible_note, svc.notes, path)
+        rec = checked(uri, svc.notes.get, path)
+        return {"contents": [note_content(uri, rec)]}
+    if kind == "version":
+        path = checked(uri, visible_note, svc.notes, path)
+        data = checked(uri, seen_version, svc, path, version)
+        text = data.decode("utf-8", "replace")
+        meta = {"etag": '"' + hashlib.sha256(data).hexdigest()[:32] + '"', "path": path}
+        return {
+            "contents": [{"uri": uri, "mimeType": "text/markdown", "text": text, "_meta": meta}]
+        }
+    if kind == "folder":
+        tree = checked(uri, granted_tree, svc, path, 1)
+        text = folder_markdown(svc, tree)
+        return {"contents": [{"uri": uri, "mimeType": "text/markdown", "text": text}]}
+    path = checked(uri, visible_attachment, svc.attachments, path)
+    rec = checked(uri, svc.attachments.get, path)
+    meta = {"etag": rec["etag"], "modified": rec["modified"], "size": rec["size"]}
+    if rec["size"] > MAX_BLOB_BYTES:  # too large to carry: where to fetch it
+        link = f"{api_base}/attachments/{urllib.parse.quote(path, safe='/')}"
+        meta["tooLarge"] = True
+        return {
+            "contents": [{"uri": uri, "mimeType": "text/uri-list", "text": link, "_meta": meta}]
+        }
+    f, _ = checked(uri, svc.attachments.open, path)
+    with f:
+        data = f.read(MAX_BLOB_BYTES + 1)
+    blob = base64.b64encode(data).decode("ascii")
+    return {"contents": [{"uri": uri, "mimeType": rec["contentType"], "blob": blob, "_meta": meta}]}
+
+
+def note_content(uri: str, rec: dict) -> dict:
+    return {
+        "uri": uri,
+        "mimeType": "text/markdown",
+        "text": rec["content"],
+        "_meta": {"etag": rec["etag"], "modified": rec["modified"]},
+    }
+
+
+def folder_markdown(svc: Service, tree: dict) -> str:
+    """Return a folder's listing as Markdown: its subfolders and notes as resource links."""
+    lines = [f"# {tree['path']}", ""]
+    for child in tree.get("children", ()):
+        if child["type"] == "folder":
+            count = child.get("count")
+            more = f" ({count} notes)" if isinstance(count, int) else ""
+            lines.append(f"- [{child['name']}/]({resource_uri('folder', child['path'])}){more}")
+        else:
+            title = svc.index.title_of(child["path"]) or note_title("", child["path"])
+            lines.append(f"- [{title}]({resource_uri('note', child['path'])})")
+    if len(lines) == 2:
+        lines.append("(empty)")
+    return "\n".join(lines) + "\n"
+
+
+# -- prompts: ingest, weekly-review, summarize-folder, tidy ------------------------------------
+
+PROMPT_BYTES = 50_000  # of everything one prompt embeds (its notes cut to fit)
+PROMPTS = {
+    "ingest": {
+        "title": "Ingest into the wiki",
+        "description": "Turn a text (or a note) into wiki notes: search first, link to what "
+        "is there, update rather than duplicate.",
+        "arguments": [
+            {
+                "name": "source",
+                "description": "the text to take in, or the path of a note holding it",
+                "required": True,
+            },
+            {
+                "name": "folder",
+                "description": "where new notes go (default: notes/wiki)",
+                "required": False,
+            },
+        ],
+    },
+    "weekly-review": {
+        "title": "Weekly review",
+        "description": "What changed in the notes since a date (default: 7 days ago), and "
+        "the open tasks in them.",
+        "arguments": [
+            {
+                "name": "since",
+                "description": "a date or time, ISO 8601 (2025-05-01)",
+                "required": False,
+            }
+        ],
+    },
+    "summarize-folder": {
+        "title": "Summarize a folder",
+        "description": "A summary of the notes of one folder, with its notes embedded.",
+        "arguments": [
+            {"name": "path", "description": "the folder (notes/<folders>)", "required": True}
+        ],
+    },
+    "tidy": {
+        "title": "Tidy the notes",
+        "description": "Find broken links, orphan notes, near duplicates and untagged notes, "
+        "and suggest fixes.",
+        "arguments": [
+            {
+                "name": "folder",
+                "description": "only this folder (default: all you reach)",
+                "required": False,
+            }
+        ],
+    },
+}
+
+
+def list_prompts() -> dict:
+    return {"prompts": [{"name": name, **spec} for name, spec in PROMPTS.items()]}
+
+
+class _Budget:
+    """The bytes a prompt may still embed (PROMPT_BYTES in all)."""
+
+    def __init__(self, total: int = PROMPT_BYTES):
+        self.left = total
+
+    def text(self, text: str) -> str:
+        data = text.encode("utf-8")
+        if len(data) <= self.left:
+            self.left -= len(data)
+            return text
+        mark = "\n\n[… cut: the prompt's 50 KB are used up]"
+        cut = data[: max(self.left - len(mark.encode()), 0)].decode("utf-8", "ignore")
+        self.left = 0
+        return cut + mark
+
+
+def _say(text: str, budget: _Budget) -> dict:
+    return {"role": "user", "content": {"type": "text", "text": budget.text(text)}}
+
+
+def _embed(svc: Service, paths: list, budget: _Budget, most: int = 20) -> list:
+    """Return messages embedding the notes at paths (type resource), while the budget lasts."""
+    out = []
+    for path in paths[:most]:
+        if budget.left < 200:
+            break
+        try:
+            rec = svc.notes.get(path)
+        except ApiError:
+            continue
+        content = note_content(resource_uri("note", path), rec)
+        content["text"] = budget.text(content["text"])
+        out.append({"role": "user", "content": {"type": "resource", "resource": content}})
+    return out
+
+
+def _argument(arguments: dict, name: str, required: bool = False) -> str:
+    value = arguments.get(name)
+    if value is None or value == "":
+        if required:
+            raise McpError(INVALID_PARAMS, f"missing required argument {name!r}")
+        return ""
+    if not isinstance(value, str):
+        raise McpError(INVALID_PARAMS, f"argument {name!r} must be a string")
+    if len(value) > 100_000:
+        raise McpError(INVALID_PARAMS, f"argument {name!r} is over 100,000 characters")
+    return value
+
+
+def _one_folder(svc: Service, raw: str) -> str:
+    """Return the folder a prompt's `folder` argument names as the caller sees it: the folder
+    itself inside its reach, or the one reached folder beneath it (404 outside the reach)."""
+    folder, shown = visible_folders(svc, raw)
+    return shown[0] if len(shown) == 1 else folder
+
+
+def _guarded(fn, *args):
+    try:
+        return fn(*args)
+    except ApiError as e:
+        raise McpError(INVALID_PARAMS, e.message) from None
+
+
+def get_prompt(svc: Service, name: Any, arguments: Any) -> dict:
+    """prompts/get: {description, messages}; -32602 for an unknown prompt or bad arguments."""
+    if not isinstance(name, str) or name not in PROMPTS:
+        raise McpError(INVALID_PARAMS, f"unknown prompt {str(name)[:64]!r} (see prompts/list)")
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        raise McpError(INVALID_PARAMS, "params.arguments must be an object")
+    budget = _Budget()
+    make = {
+        "ingest": _ingest,
+        "weekly-review": _weekly_review,
+        "summarize-folder": _summarize_folder,
+        "tidy": _tidy,
+    }[name]
+    return {"description": PROMPTS[name]["description"], "messages": make(svc, arguments, budget)}
+
+
+def _search_words(text: str, most: int = 12) -> str:
+    """Return a query of a text's most frequent longer words (OR-ed), for finding notes on it."""
+    words = collections.Counter(w.casefold() for w in re.findall(r"[^\W\d_]{5,}", text[:20000]))
+    return " OR ".join(w for w, _ in words.most_common(most))
+
+
+def _ingest(svc: Service, args: dict, budget: _Budget) -> list:
+    source = _argument(args, "source", required=True)
+    folder = _argument(args, "folder") or ""
+    principal = request_principal()
+    home = principal.home or NOTES
+    folder = _guarded(_one_folder, svc, folder) if folder else f"{home}/wiki"
+    messages = []
+    text, from_note = source, ""
+    if re.fullmatch(r"notes/[^\n]+\.md", source.strip()):
+        try:
+            path = visible_note(svc.notes, source.strip())
+            text, from_note = svc.notes.get(path)["content"], path
+        except ApiError:
+            pass
+    intro = (
+        "Take the source below into my notes as a small wiki.\n\n"
+        "1. Search first (search_notes) for notes on the same subjects; read them (read_note).\n"
+        "2. Where a note on a subject exists, add to it (update_note with its etag, or "
+        "append_to_note); do not make a second note on the same subject.\n"
+        f"3. New subjects get a note each in {folder}/, named for the subject, starting with "
+        "a `# Title` line and a line of #tags.\n"
+        "4. Link related notes with [[Note name]] wikilinks, both ways where it helps.\n"
+        "5. Keep the source's facts; say where they came from"
+        + (f" ([[{from_note.rsplit('/', 1)[-1][:-3]}]])" if from_note else "")
+        + ".\n6. At the end, list the notes you made or changed.\n\n"
+        "Notes that may be on the same subjects are embedded after the source."
+    )
+    messages.append(_say(intro, budget))
+    if from_note:
+        messages += _embed(svc, [from_note], budget, 1)
+    else:
+        messages.append(_say(f"The source:\n\n{text}", budget))
+    query = _search_words(text)
+    related = []
+    if query:
+        found = find_notes(svc, Query(query), principal.folders, 8, 0, "keyword")
+        related = [p for p, *_ in found["results"] if p != from_note]
+    return messages + _embed(svc, related, budget, 8)
+
+
+def _since_time(raw: str) -> float:
+    if not raw:
+        return time.time() - 7 * 86400
+    try:
+        when = dt.datetime.fromisoformat(raw.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise McpError(
+            INVALID_PARAMS, "'since' must be a date or time, such as 2025-05-01"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return when.timestamp()
+
+
+_OPEN_TASK_RE = re.compile(r"^[ \t]*[-*+][ \t]+\[ \][ \t]+(.+)$", re.M)
+
+
+def _weekly_review(svc: Service, args: dict, budget: _Budget) -> list:
+    since = _since_time(_argument(args, "since"))
+    sees = request_principal().sees
+    changed = sorted(
+        ((m, p) for p, (_, m) in svc.notes.scan().items() if m / 1e9 > since and sees(p)),
+        reverse=True,
+    )
+    paths = [p for _, p in changed]
+    tasks = []
+    for path in paths[:200]:
+        try:
+            text = svc.notes.get(path)["content"]
+        except ApiError:
+            continue
+        tasks += [f"- [ ] {t.strip()} ({path})" for t in _OPEN_TASK_RE.findall(text)[:20]]
+    listed = "\n".join(f"- {p}" for p in paths[:100]) or "(none)"
+    more = f"\n… and {len(paths) - 100} more" if len(paths) > 100 else ""
+    intro = (
+        f"Review my notes since {iso(since)[:10]}: what changed ({len(paths)} notes), what "
+        "it adds up to, and what needs doing next. Group the changes by subject; list the "
+        "open tasks below by urgency; point out anything that looks forgotten.\n\n"
+        f"Changed notes, newest first:\n{listed}{more}\n\n"
+        f"Open tasks in them:\n" + ("\n".join(tasks[:100]) or "(none)")
+    )
+    return [_say(intro, budget), *_embed(svc, paths, budget, 20)]
+
+
+def _summarize_folder(svc: Service, args: dict, budget: _Budget) -> list:
+    raw = _argument(args, "path", required=True)
+    tree = _guarded(granted_tree, svc, raw.rstrip("/"), 1)
+    listing = folder_markdown(svc, tree)
+    paths = [c["path"] for c in tree["children"] if c["type"] != "folder"]
+    intro = (
+        f"Summarize the folder {tree['path']}: what it is about, its main points, how its "
+        "notes relate, and what is missing or out of date. Cite notes by name.\n\n" + listing
+    )
+    return [_say(intro, budget), *_embed(svc, paths, budget, 40)]
+
+
+def _broken_links(svc: Service) -> dict:
+    """Return {note path: [link targets that lead nowhere]}, kept until the index changes."""
+
+    def take(text: str) -> tuple | None:
+        refs = link_refs(text) if "[[" in text or ".md" in text else ((), ())
+        return refs if any(refs) else None
+
+    def combine(paths: list, refs: dict) -> dict:
+        resolver = LinkResolver(paths)
+        broken = {}
+        for path, (wikis, targets) in refs.items():
+            bad = [w for w in wikis if resolver.wikilink(w) is None and "." not in w[-5:]]
+            bad += [
+                t
+                for t in targets
+                if t.casefold().endswith(".md") and resolver.mdlink(t, path) is None
+            ]
+            if bad:
+                broken[path] = bad
+        return broken
+
+    return derived_per_note(svc, "broken links", take, combine)
+
+
+def _tidy(svc: Service, args: dict, budget: _Budget) -> list:
+    principal = request_principal()
+    folder = _argument(args, "folder")
+    if folder:
+        folder = _guarded(_one_folder, svc, folder.rstrip("/"))
+
+    def inside(p: str) -> bool:
+        return principal.sees(p) and (not folder or p.startswith(folder + "/"))
+
+    paths = [p for p in svc.notes.scan() if inside(p)]
+    graph, broken = link_graph(svc), _broken_links(svc)
+    tagged = {p for ps in tag_map(svc).values() for p in ps}
+    linking = {src for targets in graph.values() for src in targets}
+    orphans = [p for p in sorted(paths) if not graph.get(p) and p not in linking]
+    untagged = [p for p in sorted(paths) if p not in tagged]
+    titles = collections.defaultdict(list)
+    for p in sorted(paths):
+        key = re.sub(r"[\W\d_]+", "", (svc.index.title_of(p) or p.rsplit("/", 1)[-1]).casefold())
+        if key:
+            titles[key].append(p)
+    dupes = [group for group in titles.values() if len(group) > 1]
+    bad = [(p, broken[p]) for p in sorted(broken) if inside(p)]
+
+    def listed(items: list, show) -> str:
+        lines = [show(i) for i in items[:50]]
+        more = f"\n… and {len(items) - 50} more" if len(items) > 50 else ""
+        return ("\n".join(lines) or "(none)") + more
+
+    intro = (
+        f"Tidy my notes{' in ' + folder if folder else ''} ({len(paths)} notes). For each "
+        "finding below, propose a fix (a link to correct, a note to link from, notes to merge, "
+        "tags to add) and make it with the write tools only after saying what you will do.\n\n"
+        "Broken links:\n"
+        + listed(bad, lambda b: f"- {b[0]}: " + ", ".join(f"[[{t}]]" for t in b[1][:5]))
+        + "\n\nOrphans (no links in or out):\n"
+        + listed(orphans, lambda p: f"- {p}")
+        + "\n\nNear duplicates (the same title):\n"
+        + listed(dupes, lambda g: "- " + " · ".join(g[:5]))
+        + "\n\nUntagged:\n"
+        + listed(untagged, lambda p: f"- {p}")
+    )
+    first = [b[0] for b in bad[:5]] + [p for g in dupes[:3] for p in g[:2]] + orphans[:5]
+    return [_say(intro, budget), *_embed(svc, list(dict.fromkeys(first)), budget, 15)]
+
+
+# -- completion/complete: the paths an argument may take ------------------------------------
+
+MAX_COMPLETIONS = 100  # MCP's most values in one answer
+_FOLDER_ARGUMENTS = {("summarize-folder", "path"), ("tidy", "folder"), ("ingest", "folder")}
+_NOTE_ARGUMENTS = {("ingest", "source")}
+
+
+def complete(svc: Service, ref: Any, argument: Any) -> dict:
+    """completion/complete: note or folder paths in the caller's reach that begin with what
+    was typed (or hold it), for a prompt's path arguments and the resource templates'
+    `path`; nothing for other arguments (their values are free text)."""
+    if not isinstance(ref, dict) or not isinstance(argument, dict):
+        raise McpError(INVALID_PARAMS, "params.ref and params.argument must be objects")
+    name, value = argument.get("name"), argument.get("value", "")
+    if not isinstance(name, str) or not isinstance(value, str):
+        raise McpError(INVALID_PARAMS, "argument.name and argument.value must be strings")
+    kind = ref.get("type")
+    if kind == "ref/prompt":
+        key = (ref.get("name"), name)
+        wants = "folder" if key in _FOLDER_ARGUMENTS else "note" if key in _NOTE_ARGUMENTS else ""
+    elif kind == "ref/resource":
+        template = str(ref.get("uri", ""))
+        wants = ""
+        if name == "path":
+            wants = "folder" if template.startswith(f"{SCHEME}folder/") else "note"
+    else:
+        raise McpError(INVALID_PARAMS, "params.ref.type must be ref/prompt or ref/resource")
+    values = _paths_like(svc, value[:500], wants) if wants else []
+    shown = values[:MAX_COMPLETIONS]
+    return {
+        "completion": {"values": shown, "total": len(values), "hasMore": len(values) > len(shown)}
+    }
+
+
+def _paths_like(svc: Service, typed: str, wants: str) -> list:
+    """Return the note (or folder) paths the caller sees that start with `typed`, then those
+    that hold it, each group sorted."""
+    sees = request_principal().sees
+    notes = [p for p in svc.notes.scan() if sees(p)]
+    if wants == "folder":
+        found = {p.rsplit("/", 1)[0] for p in notes}
+        found |= {"/".join(f.split("/")[:i]) for f in found for i in range(1, f.count("/") + 1)}
+        paths = sorted(f for f in found if sees(f))
+    else:
+        paths = sorted(notes)
+    low = typed.casefold()
+    first = [p for p in paths if p.casefold().startswith(low)]
+    return first + [p for p in paths if low in p.casefold() and p not in set(first)]
 
 
 # == src/notesvc/webclip.py ===================================================
@@ -27772,6 +29117,14 @@ dialog .list .held li {
   border: 0;
   padding: 0;
 }
+/* suggestions (web/suggestions.js): the badge and each one's diff */
+.badge { background: #1f6feb; color: #fff; border: 0; border-radius: 999px; padding: 4px 12px; min-height: 32px; }
+pre.diff { font-size: 12px; max-height: 40vh; overflow: auto; margin: 6px 0; padding: 4px 0; border: 1px solid #8884; border-radius: 6px; }
+pre.diff span { display: block; padding: 0 8px; white-space: pre-wrap; overflow-wrap: anywhere; }
+pre.diff .add { color: #1a7f37; background: #1a7f3714; }
+pre.diff .del { color: #cf222e; background: #cf222e14; }
+pre.diff .hunk { opacity: .6; }
+ul.suggestions li { display: block; padding: 8px 0; }
 """[1:]
 # --- end web/app.css ---
 
@@ -31804,6 +33157,7 @@ const app = (() => {
       featuresRead.catch((e) => (offline.offlineOn() ? null : Promise.reject(e))),
     ]);
     if (core.features.changes) followChanges();
+    suggestions.start().catch(() => {}); // an assistant's edits waiting: the badge
     await sendNewDrafts().catch(() => {}); // what a closed tab was writing goes now
     if (offline.offlineOn()) {
       offline.sendOutbox().catch(() => {}); // what waits goes now
@@ -34627,6 +35981,133 @@ const capturing = (() => {
 })();
 """[1:]
 # --- end web/capture.js ---
+# --- begin web/suggestions.js ---
+WEB_SUGGESTIONS_JS = r"""
+// -- suggestions: an assistant's edits waiting for approval (docs/api.md: Suggestions) ----
+// With SERVICE_MCP_WRITE=suggest (or SERVICE_AGENT_WRITE=suggest) an assistant's writes wait
+// here: a badge in the bar says how many, a dialog shows each as a diff with Accept and
+// Reject. `#suggestion=<id>` (the link an assistant gives) opens that one.
+
+const suggestions = (() => {
+  const {$} = core;
+  const el = markdown.el;
+  let timer = null;
+
+  const KIND = {create: "New note", edit: "Edit", move: "Move", delete: "Delete"};
+
+  function diffView(text) {
+    const pre = el("pre", {class: "diff"});
+    for (const line of (text || "").split("\n")) {
+      if (!line) continue;
+      let cls = null;
+      if (line.startsWith("+++") || line.startsWith("---") || line.startsWith("@@")) cls = "hunk";
+      else if (line.startsWith("+")) cls = "add";
+      else if (line.startsWith("-")) cls = "del";
+      pre.appendChild(el("span", {class: cls}, line));
+    }
+    return pre;
+  }
+
+  // How many wait: the badge (hidden when none, or on a server without suggestions).
+  async function refresh() {
+    let total = 0;
+    try {
+      total = (await core.api("GET", "/suggestions?limit=1")).data.total;
+    } catch (e) {
+      total = 0;
+    }
+    const badge = $("suggestions-badge");
+    badge.hidden = !total;
+    badge.textContent = total === 1 ? "1 suggestion" : total + " suggestions";
+  }
+
+  async function decide(s, verb, row) {
+    try {
+      const r = await core.api("POST", "/suggestions/" + core.enc(s.id) + "/" + verb);
+      if (verb === "reject") core.toast("Rejected.");
+      else core.toast(r.data.merged ? "Accepted, merged with later changes." : "Accepted.");
+      row.remove();
+    } catch (e) {
+      if (!(e instanceof core.Problem) || e.status !== 409) throw e;
+      if (e.error && e.error.conflictPath) {
+        core.toast("The note changed there too: the suggestion is kept as " + e.error.conflictPath);
+        row.remove();
+      } else {
+        core.toast(e.message, true); // a move or delete of a note changed since: still open
+      }
+    }
+    await core.loadTree();
+    await refresh();
+  }
+
+  async function show(only) {
+    const {data} = await core.api("GET", "/suggestions?limit=200");
+    const shown = data.suggestions.filter((s) => !only || s.id === only);
+    const list = el("ul", {class: "list suggestions", id: "suggestion-items"});
+    for (const s of shown) {
+      const where = s.newPath ? s.path + " → " + s.newPath : s.path;
+      const row = el(
+        "li",
+        {"data-suggestion": s.id},
+        el("strong", {}, (KIND[s.kind] || s.kind) + ": " + where),
+        el("small", {class: "muted"}, " · " + s.connector.name + " · " + app.when(s.createdAt)),
+        diffView(s.diff),
+      );
+      if (grants.writable()) {
+        row.appendChild(
+          el(
+            "span",
+            {class: "actions"},
+            el(
+              "button",
+              {type: "button", class: "primary", onclick: core.act(() => decide(s, "accept", row))},
+              "Accept",
+            ),
+            el(
+              "button",
+              {type: "button", onclick: core.act(() => decide(s, "reject", row))},
+              "Reject",
+            ),
+          ),
+        );
+      }
+      list.appendChild(row);
+    }
+    const none = only ? "This suggestion was accepted or rejected already." : "Nothing waits.";
+    await app.dialog("Suggestions", shown.length ? list : none, [["cancel", "Close"]]);
+  }
+
+  // A link to one suggestion (#suggestion=<id>): shown, and the address cleaned.
+  async function fromHash() {
+    const m = /^#suggestion=([A-Za-z0-9_-]{1,64})$/.exec(location.hash);
+    if (!m) return false;
+    history.replaceState(history.state, "", location.pathname + location.search);
+    await show(m[1]);
+    return true;
+  }
+
+  // Once connected: the badge now, and again every minute while the page is seen.
+  async function start() {
+    await refresh();
+    clearInterval(timer);
+    timer = setInterval(() => {
+      if (document.visibilityState === "visible") refresh();
+    }, 60000);
+    await fromHash();
+  }
+
+  function wireSuggestions() {
+    $("suggestions-badge").addEventListener(
+      "click",
+      core.act(() => show()),
+    );
+    addEventListener("hashchange", core.act(fromHash));
+  }
+
+  return {refresh, show, start, wireSuggestions};
+})();
+"""[1:]
+# --- end web/suggestions.js ---
 # --- begin web/main.js ---
 WEB_MAIN_JS = r"""
 // -- the page starts here: every file before this one only defines -------------------------
@@ -34641,6 +36122,7 @@ WEB_MAIN_JS = r"""
   people.wirePeople();
   offline.wireOffline();
   capturing.wireCapture();
+  suggestions.wireSuggestions();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {
     // the share sheet reached the server itself: no worker here to keep what was shared
@@ -34960,8 +36442,8 @@ def lean_css(css: str) -> str:
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# people.js, transfer.js, offline.js, capture.js, and last main.js, where the page starts (the
-# files before it only define).
+# people.js, transfer.js, offline.js, capture.js, suggestions.js, and last main.js, where
+# the page starts (the files before it only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -34981,6 +36463,7 @@ WEB_JS = "".join(
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
         WEB_CAPTURE_JS,
+        WEB_SUGGESTIONS_JS,
         WEB_MAIN_JS,
     )
 )
@@ -35090,6 +36573,7 @@ WEB_PAGE = r"""
     <input id="search" type="search" placeholder="Search  ( / )" autocomplete="off"
       enterkeyhint="search" aria-controls="results">
     <span id="offline-state" role="status" hidden></span>
+    <button id="suggestions-badge" type="button" class="badge" hidden></button>
     <button id="toggle-ask" type="button" class="plain" aria-expanded="true"
       aria-controls="pane-ask">Ask</button>
     <details class="menu" id="menu">
@@ -35556,6 +37040,10 @@ async function load() {
   $("host").textContent = facts.redirectHost;
   if (!facts.writeAllowed) $("write-row").classList.add("hidden");
   else if (facts.scope === "write") $("scope-write").checked = true;
+  if (facts.writeAllowed === "suggest") {
+    // SERVICE_MCP_WRITE=suggest: its writes wait for you to accept them
+    $("write-text").textContent = "read your notes and suggest changes (you accept or reject each)";
+  }
   // The web client's key on this origin (session or device), offered only when it was kept
   // for this very server's API: on a relay, every server's consent page has this origin.
   let kept = "",
@@ -35685,7 +37173,7 @@ CONSENT_PAGE = r"""
 <label><input type="radio" name="scope" id="scope-read" value="read" checked>
 read and search your notes</label>
 <label id="write-row"><input type="radio" name="scope" id="scope-write" value="write">
-read, create and change your notes</label></fieldset>
+<span id="write-text">read, create and change your notes</span></label></fieldset>
 <label for="folder" id="folder-label">Only this folder (leave empty for all notes)</label>
 <input id="folder" type="text" autocomplete="off" placeholder="notes/family">
 <select id="folder-pick" class="hidden"><option value="">All my notes and shared folders</option>
@@ -35972,6 +37460,195 @@ RELAY_LANDING_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "public, max-age=3600",
 }
+
+
+# -- MCP's review card (ui://notesvc/review): a page for an assistant's host --------------
+#
+# Self-contained: its style and script inline, allowed by their hashes in its own CSP (a
+# meta tag: the host serves it, not us), no other source, no connection, no frame.
+
+# --- begin web/review.html ---
+REVIEW_SOURCE = r"""
+<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<!--CSP-->
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>notesvc: review</title>
+<style>
+:root { color-scheme: light dark; --add: #1a7f37; --del: #cf222e; --line: #8884; }
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; padding: 12px; }
+h1 { font-size: 15px; margin: 0 0 4px; overflow-wrap: anywhere; }
+p { margin: 4px 0 8px; }
+.muted { opacity: .7; font-size: 13px; }
+pre { margin: 8px 0; padding: 6px 0; border: 1px solid var(--line); border-radius: 6px;
+  overflow: auto; max-height: 60vh; font: 12px/1.4 ui-monospace, Menlo, Consolas, monospace; }
+pre span { display: block; padding: 0 8px; white-space: pre-wrap; overflow-wrap: anywhere; }
+.add { color: var(--add); background: #1a7f3714; }
+.del { color: var(--del); background: #cf222e14; }
+.hunk { opacity: .6; }
+.row { display: flex; gap: 8px; margin-top: 8px; }
+button { font: inherit; padding: 8px 16px; min-height: 40px; border-radius: 6px;
+  border: 1px solid var(--line); background: transparent; color: inherit; cursor: pointer; }
+button.primary { background: #1f6feb; border-color: #1f6feb; color: #fff; }
+button:disabled { opacity: .5; cursor: default; }
+#status { font-weight: 600; }
+</style>
+</head>
+<body>
+<h1 id="title">Waiting for a suggestion…</h1>
+<p id="what" class="muted"></p>
+<pre id="diff" hidden></pre>
+<div class="row" id="actions" hidden>
+  <button id="accept" class="primary" type="button">Accept</button>
+  <button id="reject" type="button">Reject</button>
+</div>
+<p id="status" role="status"></p>
+<script>
+"use strict";
+// The MCP App of notesvc (ui://notesvc/review): a suggestion or a note_diff as a diff,
+// with Accept / Reject for a suggestion. It talks to its host only (postMessage, JSON-RPC:
+// ui/initialize, the tool-result notification, tools/call of accept_suggestion and
+// reject_suggestion); it loads nothing and calls no server itself.
+(() => {
+  const host = window.parent;
+  const $ = (id) => document.getElementById(id);
+  const waiting = new Map();
+  let nextId = 1;
+  let suggestion = null;
+
+  function send(message) {
+    host.postMessage({jsonrpc: "2.0", ...message}, "*");
+  }
+  function request(method, params) {
+    const id = nextId++;
+    send({id, method, params});
+    return new Promise((resolve, reject) => waiting.set(id, {resolve, reject}));
+  }
+  function notify(method, params) {
+    send({method, params: params || {}});
+  }
+  function resized() {
+    const el = document.documentElement;
+    notify("ui/notifications/size-changed", {width: el.scrollWidth, height: el.scrollHeight});
+  }
+
+  function showDiff(text) {
+    const pre = $("diff");
+    pre.textContent = "";
+    for (const line of (text || "").split("\n")) {
+      if (!line) continue;
+      const span = document.createElement("span");
+      if (line.startsWith("+++") || line.startsWith("---")) span.className = "hunk";
+      else if (line.startsWith("+")) span.className = "add";
+      else if (line.startsWith("-")) span.className = "del";
+      else if (line.startsWith("@@")) span.className = "hunk";
+      span.textContent = line;
+      pre.appendChild(span);
+    }
+    pre.hidden = !pre.firstChild;
+  }
+
+  function textOf(result) {
+    return ((result && result.content) || [])
+      .filter((c) => c && c.type === "text")
+      .map((c) => c.text)
+      .join("\n");
+  }
+
+  function show(result) {
+    const data = (result && result.structuredContent) || {};
+    $("status").textContent = "";
+    if (result && result.isError) {
+      $("title").textContent = "The change was refused";
+      $("what").textContent = textOf(result);
+      return resized();
+    }
+    if (data.suggestion) {
+      suggestion = data.suggestion;
+      const where = suggestion.newPath
+        ? `${suggestion.path} → ${suggestion.newPath}`
+        : suggestion.path;
+      $("title").textContent = `Suggested ${suggestion.kind}: ${where}`;
+      $("what").textContent = "Nothing changes until you accept it.";
+      showDiff(suggestion.diff);
+      $("actions").hidden = false;
+      $("accept").disabled = $("reject").disabled = false;
+    } else if (typeof data.diff === "string") {
+      suggestion = null;
+      $("title").textContent = `Changes in ${data.path}`;
+      $("what").textContent = `from ${data.from} to ${data.to}`;
+      showDiff(data.diff || "(no difference)");
+      $("actions").hidden = true;
+    }
+    resized();
+  }
+
+  async function decide(tool, done) {
+    if (!suggestion) return;
+    $("accept").disabled = $("reject").disabled = true;
+    $("status").textContent = "…";
+    try {
+      const result = await request("tools/call", {name: tool, arguments: {id: suggestion.id}});
+      if (result && result.isError) {
+        $("status").textContent = textOf(result) || "Refused.";
+        $("accept").disabled = $("reject").disabled = false;
+      } else {
+        const data = (result && result.structuredContent) || {};
+        const merged = data.merged ? " (merged with later changes)" : "";
+        $("status").textContent = done + merged;
+        $("actions").hidden = true;
+      }
+    } catch (e) {
+      $("status").textContent = `Failed: ${(e && e.message) || e}`;
+      $("accept").disabled = $("reject").disabled = false;
+    }
+    resized();
+  }
+
+  window.addEventListener("message", (event) => {
+    if (event.source !== host) return;
+    const m = event.data;
+    if (!m || m.jsonrpc !== "2.0") return;
+    if (m.id !== undefined && m.method === undefined) {
+      const pending = waiting.get(m.id);
+      if (!pending) return;
+      waiting.delete(m.id);
+      if (m.error) pending.reject(new Error(m.error.message || "error"));
+      else pending.resolve(m.result);
+      return;
+    }
+    if (m.method === "ui/notifications/tool-result") show(m.params);
+    else if (m.id !== undefined) send({id: m.id, result: {}}); // ping, teardown: nothing kept
+  });
+
+  $("accept").addEventListener("click", () => decide("accept_suggestion", "Accepted."));
+  $("reject").addEventListener("click", () => decide("reject_suggestion", "Rejected."));
+  request("ui/initialize", {
+    appInfo: {name: "notesvc review", version: "1"},
+    appCapabilities: {},
+    protocolVersion: "2026-01-26",
+  }).then(() => {
+    notify("ui/notifications/initialized");
+    resized();
+  });
+})();
+</script>
+</body>
+</html>
+"""[1:]
+# --- end web/review.html ---
+_REVIEW_CSS = REVIEW_SOURCE.split("<style>")[1].split("</style>")[0]
+_REVIEW_JS = REVIEW_SOURCE.split("<script>")[1].split("</script>")[0]
+REVIEW_CSP_META = (
+    f"default-src 'none'; script-src {_csp_hash(_REVIEW_JS)}; "
+    f"style-src {_csp_hash(_REVIEW_CSS)}; img-src 'none'; connect-src 'none'; "
+    "form-action 'none'; base-uri 'none'"
+)
+REVIEW_HTML = REVIEW_SOURCE.replace(
+    "<!--CSP-->", f'<meta http-equiv="Content-Security-Policy" content="{REVIEW_CSP_META}">', 1
+)
 
 
 # -- compression: each page gzipped once, at start (docs/api.md: Compression) --------------
@@ -37185,7 +38862,12 @@ class RelayServer:
     async def forward(self, req: RelayRequest, server_id: str, rest: str, prefix=None) -> tuple:
         """Hand a request to server_id as its path `rest`; `prefix` is what the server sees
         in front of it: /r/<serverId> on the relay's host, nothing on its own origin."""
-        headers = [[k, v] for k, v in req.headers if k.lower() not in HOP_BY_HOP]
+        # no MCP sessions through the relay (their stream cannot pass): the id goes neither way
+        headers = [
+            [k, v]
+            for k, v in req.headers
+            if k.lower() not in HOP_BY_HOP and k.lower() != "mcp-session-id"
+        ]
         answer = await self.hub.forward(
             server_id,
             {
@@ -38716,6 +40398,32 @@ def agent_status(svc: Service) -> dict:
     }
 
 
+# -- suggestions: an assistant's edits waiting for approval (docs/api.md: Suggestions) -----
+
+
+def list_suggestions(svc: Service) -> dict:
+    """GET /suggestions: the open suggestions in the caller's reach, newest first."""
+    limit = query_int("limit", 50, 1, 200)
+    offset = query_int("offset", 0, 0, 10**6)
+    shown = open_suggestions(svc)
+    page = [public_suggestion(svc, s) for s in shown[offset : offset + limit]]
+    return {"suggestions": page, "total": len(shown), "limit": limit, "offset": offset}
+
+
+def accept_suggestion_route(svc: Service, suggestion_id: str) -> dict:
+    """POST /suggestions/:id/accept: apply it (an edit merged three ways; 409 with its
+    conflict copy when it clashed)."""
+    done = accept_suggestion(svc, suggestion_id)
+    if "etag" in done["note"]:
+        bottle.response.set_header("ETag", done["note"]["etag"])
+    return done
+
+
+def reject_suggestion_route(svc: Service, suggestion_id: str) -> dict:
+    """POST /suggestions/:id/reject: close it unapplied."""
+    return reject_suggestion(svc, suggestion_id)
+
+
 # == src/notesvc/http/access.py ===============================================
 # Handlers for who else gets in: scoped keys, devices, share links, OAuth, relay pairing.
 
@@ -39365,50 +41073,340 @@ def pair_relay_code(svc: Service, code: str) -> dict:
     return {"serverId": st["serverId"], "relayApiBase": f"{relay}{API}"}
 
 
-# == src/notesvc/http/mcp.py ==================================================
-# MCP over JSON-RPC 2.0: /mcp's tools for assistants, in both protocol eras.
+# == src/notesvc/http/mcp_sessions.py =========================================
+# MCP sessions: Mcp-Session-Id, the GET stream (SSE), subscriptions and their notifications.
 
-# -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
+STREAM_POOL = "direct"  # the change feed's pool of direct waiters: both hold a worker thread
+
+
+def terminated_relay(environ: dict) -> bool:
+    """Return whether a request came through the relay's terminating modes (no sessions
+    there: the relay passes Mcp-Session-Id neither way); a spliced passthrough connection
+    (passthrough/server.py: TLS ends here) is served like a direct one."""
+    return bool(environ.get("notesvc.relayed")) and not environ.get("notesvc.spliced")
+
+
+def who_of(principal: Principal) -> tuple:
+    """Return what a session is bound to: the owner, or one grant."""
+    return (principal.kind, principal.grant_id)
+
+
+_CREDENTIAL_HEADERS = ("HTTP_X_SERVICE_KEY", "HTTP_X_API_KEY", "HTTP_AUTHORIZATION")
+
+
+@dataclasses.dataclass
+class McpSession:
+    id: str
+    who: tuple  # who_of the principal that made it
+    version: str  # the protocol version initialize settled
+    used: float  # monotonic time of its last request
+    subscriptions: set = dataclasses.field(default_factory=set)  # note URIs
+    stream: int = 0  # the number of its latest GET stream (a second GET replaces the first)
+    ended: bool = False  # DELETE, dropped (idle, over the cap): its stream ends
+
+
+class McpSessions:
+    """The sessions of this server, in memory: at most MAX_SESSIONS (the least recently used
+    dropped first), each dropped after IDLE_SECONDS unused. A GET stream lasts
+    SERVICE_MCP_STREAM_SECONDS (10 minutes); the client then opens another."""
+
+    MAX_SESSIONS = 256
+    IDLE_SECONDS = 3600
+    COMMENT_SECONDS = 15.0  # a comment line this often keeps proxies from closing it
+    CHECK_SECONDS = 1.0  # how often a stream asks whether its credential is still good
+    DEBOUNCE_SECONDS = 1.0  # list_changed at most this often
+    MAX_SUBSCRIPTIONS = 1000  # a session's subscriptions: beyond it, -32602 said so
+
+    def __init__(self, svc: Service):
+        self.svc = svc
+        self._lock = threading.Lock()
+        self._sessions: collections.OrderedDict = collections.OrderedDict()
+
+    def _drop_idle(self, now: float) -> None:
+        while self._sessions:
+            first = next(iter(self._sessions.values()))
+            if now - first.used < self.IDLE_SECONDS:
+                return
+            self._sessions.popitem(last=False)
+            first.ended = True
+
+    def create(self, principal: Principal, version: str) -> McpSession:
+        """Open a session for `principal` (dropping the least recently used over the cap)."""
+        now = time.monotonic()
+        session = McpSession(secrets.token_urlsafe(16)[:22], who_of(principal), version, now)
+        with self._lock:
+            self._drop_idle(now)
+            while len(self._sessions) >= self.MAX_SESSIONS:
+                _, dropped = self._sessions.popitem(last=False)
+                dropped.ended = True
+            self._sessions[session.id] = session
+        self.svc.journal.nudge()  # a stream of a dropped session ends now
+        return session
+
+    def find(self, sid: Any, principal: Principal) -> McpSession:
+        """Return the live session `sid` of this principal (touched); 404 for an unknown or
+        dropped one, or one another principal made."""
+        now = time.monotonic()
+        with self._lock:
+            self._drop_idle(now)
+            session = self._sessions.get(sid) if isinstance(sid, str) else None
+            if session is None or session.who != who_of(principal):
+                raise ApiError(
+                    404,
+                    "NOT_FOUND",
+                    "no such MCP session (ended, dropped after an hour unused, or made with "
+                    "another credential): initialize again",
+                )
+            session.used = now
+            self._sessions.move_to_end(sid)
+            return session
+
+    def end(self, session: McpSession) -> None:
+        with self._lock:
+            self._sessions.pop(session.id, None)
+            session.ended = True
+        self.svc.journal.nudge()
+
+    def count(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    # -- subscriptions ---------------------------------------------------------------------
+
+    def subscribe(self, session: McpSession, uri: str) -> None:
+        with self._lock:
+            if uri not in session.subscriptions and (
+                len(session.subscriptions) >= self.MAX_SUBSCRIPTIONS
+            ):
+                raise ApiError(
+                    400,
+                    "VALIDATION_ERROR",
+                    f"a session holds at most {self.MAX_SUBSCRIPTIONS} subscriptions: "
+                    "unsubscribe from some, or follow resources/list_changed instead",
+                )
+            session.subscriptions.add(uri)
+
+    def unsubscribe(self, session: McpSession, uri: str) -> None:
+        with self._lock:
+            session.subscriptions.discard(uri)
+
+    # -- the GET stream ----------------------------------------------------------------------
+
+    def credential_of(self, environ: dict) -> dict:
+        """Return the credential headers of a request: what a stream checks again."""
+        return {k: environ[k] for k in _CREDENTIAL_HEADERS if k in environ}
+
+    def principal_now(self, credential: dict, first: Principal) -> Principal | None:
+        """Return who the stream's credential stands for now (its reach as it is now), None
+        when it stopped being valid (revoked, expired, a key rotated away). Counts toward
+        no lockout: it was right when the stream opened."""
+        svc = self.svc
+        if svc.config.auth_mode == "none":
+            return OWNER
+        key = credential.get("HTTP_X_SERVICE_KEY", "")
+        auth = credential.get("HTTP_AUTHORIZATION", "")
+        bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        key = key or credential.get("HTTP_X_API_KEY", "") or bearer
+        if first.kind == "owner":
+            if svc.key_matches(key):
+                return OWNER
+            if bearer and svc.config.auth_mode == "jwt" and svc.token_valid(credential):
+                return OWNER
+            return None
+        for secret in filter(None, dict.fromkeys((key, bearer))):
+            now = svc.grants.principal(secret)
+            if now is not None and now.grant_id == first.grant_id:
+                return now
+        return None
+
+    def open_stream(self, session: McpSession, principal: Principal, environ: dict) -> Iterator:
+        """Return the body of a session's GET stream: `: ok` at once, then the notifications
+        its principal may see, a comment every COMMENT_SECONDS; it ends after
+        SERVICE_MCP_STREAM_SECONDS, when another GET replaces it, when the session ends, or when its
+        credential stops being valid. 429 when the waiting places are all taken."""
+        journal = self.svc.journal
+        cap = self.svc.config.max_waiters
+        if not journal.take_slot(STREAM_POOL, cap):
+            raise ApiError(
+                429,
+                "RATE_LIMITED",
+                f"{cap} streams and change-feed waits are open already: try again shortly",
+                {"Retry-After": "5"},
+            )
+        with self._lock:
+            session.stream += 1
+            number = session.stream
+        journal.nudge()  # the stream it replaces ends
+        return self._stream(session, number, principal, self.credential_of(environ))
+
+    def _stream(
+        self, session: McpSession, number: int, principal: Principal, credential: dict
+    ) -> Iterator:
+        journal = self.svc.journal
+        try:
+            last = journal.latest()
+            yield b": ok\n\n"
+            clock = time.monotonic
+            started = clock()
+            lasts = self.svc.config.mcp_stream_seconds
+            next_comment = started + self.COMMENT_SECONDS
+            next_check = started + self.CHECK_SECONDS
+            list_due: float | None = None  # when the next list_changed goes
+            list_sent = -self.DEBOUNCE_SECONDS
+
+            def replaced() -> bool:
+                return session.stream != number or session.ended
+
+            while True:
+                now = clock()
+                if now - started >= lasts or replaced() or journal.closed:
+                    return
+                if now >= next_check:
+                    fresh = self.principal_now(credential, principal)
+                    if fresh is None:
+                        log.info(
+                            "MCP session %s…: its credential ended; stream closed", session.id[:4]
+                        )
+                        return
+                    principal, next_check = fresh, now + self.CHECK_SECONDS
+                try:
+                    page = journal.read(last, 500)
+                except ApiError:  # compacted past it: start again from now
+                    page = {"changes": [], "last": journal.latest(), "more": False}
+                    list_due = list_due or now
+                out, listed = self._events(session, principal, page["changes"])
+                last = page["last"]
+                if listed and list_due is None:  # at most one a DEBOUNCE_SECONDS
+                    list_due = max(now, list_sent + self.DEBOUNCE_SECONDS)
+                if list_due is not None and now >= list_due:
+                    out = (out or b"") + _event("notifications/resources/list_changed")
+                    list_due, list_sent = None, now
+                if out:
+                    yield out
+                    next_comment = now + self.COMMENT_SECONDS
+                elif now >= next_comment:
+                    yield b": keep-alive\n\n"
+                    next_comment = now + self.COMMENT_SECONDS
+                if page["more"]:
+                    continue
+                due = min(next_comment, next_check, started + lasts)
+                if list_due is not None:
+                    due = min(due, list_due)
+                journal.wait_past(last, max(due - clock(), 0.005), replaced)
+        finally:
+            journal.give_slot(STREAM_POOL)
+
+    def _events(self, session: McpSession, principal: Principal, changes: list) -> tuple:
+        """Return (the updated notifications of changes as SSE bytes or None, whether the
+        list of resources the principal sees changed)."""
+        out, listed = [], False
+        subs = session.subscriptions
+        for c in changes:
+            kind, path, origin = c["kind"], c["path"], c.get("from")
+            sees_path = principal.sees(path)
+            sees_origin = bool(origin) and principal.sees(origin)
+            if not (sees_path or sees_origin):
+                continue
+            if kind in ("created", "deleted", "moved"):
+                listed = True
+            touched = [path] if sees_path else []
+            if kind == "moved" and sees_origin:
+                touched.append(origin)
+            for p in touched:
+                uri = resource_uri("note", p)
+                if uri in subs:
+                    out.append(_event("notifications/resources/updated", {"uri": uri}))
+        return (b"".join(out) or None), listed
+
+
+def _event(method: str, params: dict | None = None) -> bytes:
+    """Return one JSON-RPC notification as an SSE event."""
+    message: dict = {"jsonrpc": "2.0", "method": method}
+    if params is not None:
+        message["params"] = params
+    data = json.dumps(message, ensure_ascii=False, separators=(",", ":"))
+    return f"event: message\ndata: {data}\n\n".encode()
+
+
+_SESSIONS_START = threading.Lock()
+
+
+def mcp_sessions(svc: Service) -> McpSessions:
+    """Return the Service's McpSessions (`svc.mcp_sessions`), made on first use."""
+    sessions = svc.mcp_sessions
+    if sessions is None:
+        with _SESSIONS_START:
+            sessions = svc.mcp_sessions
+            if sessions is None:
+                sessions = McpSessions(svc)
+                svc.mcp_sessions = sessions
+    return sessions
+
+
+# == src/notesvc/http/mcp.py ==================================================
+# MCP over JSON-RPC 2.0: /mcp's tools, resources and prompts, in both protocol eras.
+
+# -- MCP over JSON-RPC 2.0 (Streamable HTTP) ---------------------------------------------------
 #
-# POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object (no SSE,
-# no sessions). Two eras share it, told apart the way the official SDKs route them: by the
-# MCP-Protocol-Version header (none, or a handshake-era version: the handshake era).
-#   2025-06-18, 2025-11-25: `initialize` (nothing is kept: every request stands alone),
-#     `notifications/initialized` (202), `ping`, `tools/list`, `tools/call`.
+# POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object. Two eras
+# share it, told apart the way the official SDKs route them: by the MCP-Protocol-Version
+# header (none, or a handshake-era version: the handshake era).
+#   2025-06-18, 2025-11-25: `initialize` (on a direct connection it opens a session:
+#     Mcp-Session-Id, http/mcp_sessions.py; a POST without the header stands alone),
+#     `notifications/initialized` (202), `ping`, tools, resources (subscriptions need the
+#     session and its GET stream), prompts. DELETE with the session ends it.
 #   2026-07-28 (stateless): no handshake; each request carries its version and capabilities
 #     in `params._meta`, and the MCP-Protocol-Version, Mcp-Method and Mcp-Name headers must
 #     repeat the body (-32020 when they do not); an unknown version is -32022 with the list.
-#     `server/discover`, `tools/list`, `tools/call`; results carry `resultType: "complete"`.
+#     `server/discover`, tools, resources (no subscriptions), prompts; results carry
+#     `resultType: "complete"`.
 
 _HANDSHAKE_ERA = ("2024-11-05", "2025-03-26", *MCP_HANDSHAKE_VERSIONS)
 META_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
-PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
-HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
 # The HTTP status of a stateless-era error (the SDKs' table); in the handshake era a body
 # that cannot be taken is 400 and every other error 200.
-_STATELESS_STATUS = {METHOD_NOT_FOUND: 404}
+_STATELESS_STATUS = {METHOD_NOT_FOUND: 404, RESOURCE_NOT_FOUND: 404}
 _HANDSHAKE_400 = (PARSE_ERROR, INVALID_REQUEST, UNSUPPORTED_VERSION)
 MCP_LIST_TTL_MS = 60000  # how long a stateless client may cache the tool list
 MCP_INSTRUCTIONS = (
     "The user's Markdown notes, paths like notes/<folders>/<name>.md. Find notes with "
     "search_notes (or list_folder, recent_changes) and read them with read_note before "
     "answering from them; name the paths you used. To change a note, read it first and pass "
-    "its etag to update_note or move_note."
+    "its etag to update_note or move_note. note_history and note_diff show what a note was. "
+    "The notes are also resources (notesvc://note/<path>), and the prompts ingest, "
+    "weekly-review, summarize-folder and tidy start the usual wiki work."
 )
+SUGGEST_INSTRUCTIONS = (
+    " Changes are suggestions here: the write tools change nothing until the user accepts "
+    "them; say so, and give the suggestion's link."
+)
+SESSION_HEADER = "Mcp-Session-Id"
+
+
+def capabilities(subscribe: bool) -> dict:
+    """Return the server's capabilities: resources subscribed to only where a session and
+    its stream can carry the notifications."""
+    return {
+        "tools": {"listChanged": False},
+        "resources": {"subscribe": subscribe, "listChanged": subscribe},
+        "prompts": {"listChanged": False},
+        "completions": {},
+    }
+
+
+def instructions(svc: Service) -> str:
+    suggest = svc.config.mcp_write == "suggest"
+    return MCP_INSTRUCTIONS + (SUGGEST_INSTRUCTIONS if suggest else "")
 
 
 def server_info() -> dict:
     return {"name": "notesvc", "title": "notesvc notes", "version": __version__}
 
 
-class RpcError(Exception):
+class RpcError(McpError):
     """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
-
-    def __init__(self, code: int, message: str, data: Any = None):
-        super().__init__(message)
-        self.code, self.message, self.data = code, message, data
 
     def answer(self, request_id: Any) -> dict:
         error = {"code": self.code, "message": self.message}
@@ -39444,11 +41442,23 @@ def authenticate_mcp(svc: Service, environ: dict) -> Principal:
     return svc.authenticate(environ, mcp=True)
 
 
+def request_session(svc: Service, env: dict) -> McpSession | None:
+    """Return the session a request names (Mcp-Session-Id), None when it names none (or
+    came through a terminating relay, where there are none); 404 for one unknown, dropped,
+    or made by another principal (credentials were checked before)."""
+    sid = env.get("HTTP_MCP_SESSION_ID")
+    if sid is None or terminated_relay(env):
+        return None
+    return mcp_sessions(svc).find(sid.strip(), request_principal())
+
+
 def mcp_endpoint(svc: Service) -> bytes:
     """POST /mcp: one JSON-RPC message in; its answer out, or 202 for a notification."""
     env = bottle.request.environ
     stateless = _stateless_era(env, None)
     request_id = None
+    session = request_session(svc, env)
+    env["notesvc.mcp_session"] = session
     try:
         message = _rpc_message(svc.config.max_body_bytes)
         stateless = _stateless_era(env, message)
@@ -39467,8 +41477,9 @@ def mcp_endpoint(svc: Service) -> bytes:
         else:
             result = _handshake_request(svc, env, method, params)
         answer, status = {"jsonrpc": "2.0", "id": request_id, "result": result}, 200
-    except RpcError as e:
-        answer, status = e.answer(request_id), e.http_status(stateless)
+    except McpError as e:
+        rpc = e if isinstance(e, RpcError) else RpcError(e.code, e.message, e.data)
+        answer, status = rpc.answer(request_id), rpc.http_status(stateless)
     bottle.response.status = status
     bottle.response.content_type = JSON_TYPE
     return to_json(answer)
@@ -39540,18 +41551,22 @@ def _handshake_request(svc: Service, env: dict, method: str, params: dict) -> di
     if method == "initialize":  # the client's version when served, else the newest
         asked = params.get("protocolVersion")
         version = asked if asked in MCP_HANDSHAKE_VERSIONS else MCP_HANDSHAKE_VERSIONS[-1]
+        direct = not terminated_relay(env)
+        if direct:  # a session (optional for the client): what subscriptions need
+            session = mcp_sessions(svc).create(request_principal(), version)
+            bottle.response.set_header(SESSION_HEADER, session.id)
         return {
             "protocolVersion": version,
-            "capabilities": {"tools": {"listChanged": False}},
+            "capabilities": capabilities(direct),
             "serverInfo": server_info(),
-            "instructions": MCP_INSTRUCTIONS,
+            "instructions": instructions(svc),
         }
     header = env.get("HTTP_MCP_PROTOCOL_VERSION")
     if header is not None:
         _check_version(header, MCP_HANDSHAKE_VERSIONS)
     if method == "ping":
         return {}
-    return _tools_method(svc, method, params)
+    return _method(svc, method, params, env.get("notesvc.mcp_session"))
 
 
 def _header_text(value: str | None) -> str | None:
@@ -39591,38 +41606,137 @@ def _stateless_request(svc: Service, env: dict, method: str, params: dict) -> di
     if method == "server/discover":
         result = {
             "supportedVersions": list(MCP_VERSIONS),
-            "capabilities": {"tools": {"listChanged": False}},
-            "instructions": MCP_INSTRUCTIONS,
+            "capabilities": capabilities(False),
+            "instructions": instructions(svc),
             "cacheScope": "private",
             "ttlMs": MCP_LIST_TTL_MS,
         }
     else:
-        result = _tools_method(svc, method, params)
+        result = _method(svc, method, params, None)
     if method == "tools/list":
         result.update(cacheScope="private", ttlMs=MCP_LIST_TTL_MS)
     return {**result, "resultType": "complete", "_meta": {META_SERVER_INFO: server_info()}}
 
 
-def _tools_method(svc: Service, method: str, params: dict) -> dict:
+def _method(svc: Service, method: str, params: dict, session: McpSession | None) -> dict:
+    """Answer a request of either era: tools, resources, prompts."""
     if method == "tools/list":
-        if params.get("cursor") is not None:
-            raise RpcError(INVALID_PARAMS, "unknown cursor: the tool list has a single page")
+        _single_page(params)
         tools = available_tools(svc, svc.config.mcp_write)
-        return {"tools": [mcp_tool(t) for t in tools]}
+        suggest = svc.config.mcp_write == "suggest"
+        return {"tools": [mcp_tool(t, suggest) for t in tools]}
     if method == "tools/call":
         return _tools_call(svc, params.get("name"), params.get("arguments"))
+    if method == "resources/list":
+        return list_resources(svc, params.get("cursor"))
+    if method == "resources/templates/list":
+        _single_page(params)
+        return {"resourceTemplates": RESOURCE_TEMPLATES}
+    if method == "resources/read":
+        uri = params.get("uri")
+        if uri == REVIEW_URI:
+            return {"contents": [review_card()]}
+        return read_resource(svc, uri, _api_base(svc))
+    if method in ("resources/subscribe", "resources/unsubscribe"):
+        return _subscription(svc, method, params.get("uri"), session)
+    if method == "prompts/list":
+        _single_page(params)
+        return list_prompts()
+    if method == "prompts/get":
+        return get_prompt(svc, params.get("name"), params.get("arguments"))
+    if method == "completion/complete":
+        return complete(svc, params.get("ref"), params.get("argument"))
     raise RpcError(METHOD_NOT_FOUND, f"method {method[:64]!r} is not served here")
 
 
-def mcp_tool(tool: Tool) -> dict:
-    """Return a tool as MCP's tools/list describes it."""
+def _single_page(params: dict) -> None:
+    if params.get("cursor") is not None:
+        raise RpcError(INVALID_PARAMS, "unknown cursor: this list has a single page")
+
+
+def _api_base(svc: Service) -> str:
+    env = bottle.request.environ
+    return svc.base_url(env) + env.get("SCRIPT_NAME", "") + API
+
+
+def _subscription(svc: Service, method: str, uri: Any, session: McpSession | None) -> dict:
+    """resources/subscribe and unsubscribe: a note URI of the caller's reach, for the
+    session's stream; -32600 without a session, -32602 for a URI that is not a note's or
+    over the session's cap, -32002 for a note it cannot see."""
+    if session is None:
+        raise RpcError(
+            INVALID_REQUEST,
+            f"subscriptions need a session: send the {SESSION_HEADER} header initialize "
+            "gave (not available through the relay's link), and hold the session's GET "
+            "stream for the notifications",
+        )
+    kind, path, _ = parse_uri(uri)
+    if kind != "note":
+        raise RpcError(INVALID_PARAMS, "subscriptions are to notes (notesvc://note/<path>)")
+    if method == "resources/unsubscribe":
+        mcp_sessions(svc).unsubscribe(session, uri)
+        return {}
+    try:
+        visible_note(svc.notes, path)
+    except ApiError as e:
+        code = RESOURCE_NOT_FOUND if e.status_code in (403, 404) else INVALID_PARAMS
+        raise RpcError(
+            code, "Resource not found" if code < -32600 else e.message, {"uri": uri}
+        ) from None
+    try:
+        mcp_sessions(svc).subscribe(session, uri)
+    except ApiError as e:
+        raise RpcError(INVALID_PARAMS, e.message, {"uri": uri}) from None
+    return {}
+
+
+def review_card() -> dict:
+    """Return the MCP App resource ui://notesvc/review: one self-contained page (no remote
+    loads; the host's CSP asks no domains, the page's own allows only its inline code)."""
     return {
+        "uri": REVIEW_URI,
+        "mimeType": "text/html;profile=mcp-app",
+        "text": REVIEW_HTML,
+        "_meta": {
+            "ui": {
+                "csp": {"connectDomains": [], "resourceDomains": [], "frameDomains": []},
+                "prefersBorder": True,
+            },
+            "contentSecurityPolicy": REVIEW_CSP_META,
+        },
+    }
+
+
+def mcp_tool(tool: Tool, suggest: bool = False) -> dict:
+    """Return a tool as MCP's tools/list describes it (in suggest mode a write tool answers
+    the suggestion it made, which the review card shows)."""
+    described = {
         "name": tool.name,
         "title": tool.annotations()["title"],
         "description": tool.description,
         "inputSchema": tool.schema,
         "annotations": tool.annotations(),
     }
+    output = tool.output
+    writes_here = suggest and not tool.read_only and not tool.app_only
+    if writes_here:
+        output = {"type": "object", "properties": SUGGESTION_OUTPUT, "required": ["suggestion"]}
+        described["description"] += (
+            " Here it makes a suggestion the user accepts or rejects; nothing changes until then."
+        )
+    if output is not None:
+        described["outputSchema"] = output
+    ui: dict = {}
+    if tool.review and (writes_here or tool.read_only):
+        ui["resourceUri"] = REVIEW_URI
+    if tool.app_only:
+        ui["visibility"] = ["app"]
+    if ui:
+        described["_meta"] = {
+            "ui": ui,
+            **({"ui/resourceUri": REVIEW_URI} if "resourceUri" in ui else {}),
+        }
+    return described
 
 
 def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
@@ -39645,7 +41759,53 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
             why = f"unknown tool {name[:64]!r} (see tools/list)"
         raise RpcError(INVALID_PARAMS, why)
     log.debug("request %s: MCP tool %s", current_request_id(), name)
-    return call_tool(svc, offered[name], arguments or {})
+    suggest = svc.config.mcp_write == "suggest" and not offered[name].app_only
+    connector = connector_of(svc, request_principal()) if suggest else None
+    return call_tool(svc, offered[name], arguments or {}, connector)
+
+
+# -- the GET stream and DELETE ------------------------------------------------------------------
+
+
+def _no_session_here(method: str) -> ApiError:
+    return ApiError(
+        405,
+        "METHOD_NOT_ALLOWED",
+        f"{method} {API}/mcp needs a session ({SESSION_HEADER} from initialize, on a "
+        "direct connection: not through the relay's link); send JSON-RPC with POST",
+        {"Allow": "POST, GET, DELETE"},
+    )
+
+
+def mcp_stream(svc: Service):
+    """GET /mcp with a session: its stream of notifications (text/event-stream)."""
+    env = bottle.request.environ
+    if env.get("REQUEST_METHOD") == "HEAD":  # (Bottle's GET routes take HEAD): no stream
+        raise _no_session_here("HEAD")
+    if env.get("HTTP_MCP_SESSION_ID") is None or terminated_relay(env):
+        raise _no_session_here("GET")
+    session = request_session(svc, env)
+    accept = env.get("HTTP_ACCEPT", "")
+    if "text/event-stream" not in accept and "*/*" not in accept:
+        raise ApiError(
+            406, "NOT_ACCEPTABLE", "the stream is text/event-stream: ask for it in Accept"
+        )
+    body = mcp_sessions(svc).open_stream(session, request_principal(), env)
+    bottle.response.content_type = "text/event-stream"
+    bottle.response.set_header("Cache-Control", "no-store")
+    bottle.response.set_header("X-Accel-Buffering", "no")  # nginx: pass each event at once
+    bottle.response.set_header(SESSION_HEADER, session.id)
+    return body
+
+
+def mcp_end_session(svc: Service):
+    """DELETE /mcp with a session: end it (204); without one 405."""
+    env = bottle.request.environ
+    if env.get("HTTP_MCP_SESSION_ID") is None or terminated_relay(env):
+        raise _no_session_here("DELETE")
+    mcp_sessions(svc).end(request_session(svc, env))
+    bottle.response.status = 204
+    return b""
 
 
 # == src/notesvc/http/integrations.py =========================================
@@ -43193,8 +45353,163 @@ def get_capture(svc: Service) -> dict:
     }
 
 
+# == src/notesvc/http/openapi.py ==============================================
+# The OpenAPI 3.1 document of the route table (GET /api/v1/openapi.json).
+
+
+def get_openapi(svc: Service):
+    bottle.response.content_type = JSON_TYPE
+    return to_json(openapi_document(svc, svc.base_url(bottle.request.environ)))
+
+
+def openapi_path(rule: str) -> str:
+    """Return a Bottle rule as an OpenAPI path: <name> and <name:path> become {name}."""
+    return re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", rule)
+
+
+_SEGMENT = {"type": "string", "minLength": 1}  # a path parameter without its own schema
+
+
+def openapi_document(svc: Service, server_url: str) -> dict:
+    """Return the OpenAPI 3.1 document of every /api/v1 route in the table."""
+    envelope_ok = {
+        "type": "object",
+        "required": ["success", "data"],
+        "properties": {"success": {"const": True}, "data": {"type": "object"}},
+    }
+    error = {
+        "type": "object",
+        "required": ["code", "message"],
+        "properties": {"code": {"enum": list(ERROR_CODES)}, "message": {"type": "string"}},
+    }
+    envelope_err = {
+        "type": "object",
+        "required": ["success", "error"],
+        "properties": {"success": {"const": False}, "error": error},
+    }
+    paths: dict = {}
+    for r in svc.routes:
+        if not r.api:
+            continue
+        success = (
+            _json_content("Success")
+            if r.enveloped
+            else {r.media: {"schema": {"type": "object" if "json" in r.media else "string"}}}
+        )
+        op: dict = {
+            "operationId": r.handler.__name__,
+            "summary": r.summary or r.handler.__name__.replace("_", " "),
+            "tags": [r.tag],
+            "responses": {
+                **{
+                    str(code): {"description": "success", "content": success}
+                    for code in sorted({200, r.status})
+                },
+                "default": {
+                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 410, "
+                    "412, 413, 415, 429, 500, 502, 503, 504 or 507",
+                    "content": _json_content("Error"),
+                },
+            },
+        }
+        if r.jsonrpc:
+            answer = {"application/json": {"schema": {"type": "object"}}}
+            op["responses"] = {
+                "200": {"description": "the JSON-RPC answer", "content": answer},
+                "202": {"description": "a notification (or response), accepted"},
+                "default": {"description": "a JSON-RPC error object", "content": answer},
+            }
+            op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
+            op["security"].append({"mcpOAuth": [OAUTH_SCOPES[0]]})  # docs/api.md: Let others in
+        if r.public:
+            op["security"] = []
+        elif r.key_only:
+            op["security"] = [{"apiKey": []}]
+        if not r.public:
+            op["x-scope"] = r.scope
+        schemas = r.params or {}  # a name of the rule's is a path parameter, others query
+        in_path = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
+        params = [
+            {"name": p, "in": "path", "required": True, "schema": schemas.get(p, _SEGMENT)}
+            for p in in_path
+        ]
+        params += [
+            {"name": n, "in": "query", "required": n == "q", "schema": schema}
+            for n, schema in schemas.items()
+            if n not in in_path
+        ]
+        if params:
+            op["parameters"] = params
+        body = r.body(svc) if callable(r.body) else r.body  # built per app and document
+        if body is not None:
+            op["requestBody"] = {
+                "required": bool(
+                    body.get("required") or body.get("oneOf") or body.get("minProperties")
+                ),
+                "content": {r.body_media: {"schema": body}},
+            }
+        paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "notesvc",
+            "version": __version__,
+            "description": "A self-hosted notes server. Every answer is the envelope "
+            '{"success": true, "data": {...}} or {"success": false, "error": {code, message}}; '
+            "note paths in URLs are percent-encoded with / as %2F.",
+        },
+        "servers": [{"url": server_url}],
+        "paths": paths,
+        "components": {
+            "schemas": {"Success": envelope_ok, "Error": envelope_err},
+            "securitySchemes": {
+                "apiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": KEY_HEADER,
+                    "description": "the API key (admin), or a scoped key (nsg_...) holding "
+                    "the scope an operation's x-scope names (also as Authorization: Bearer)",
+                },
+                "mcpOAuth": {
+                    "type": "oauth2",
+                    "description": "OAuth 2.1 for MCP clients (PKCE S256, RFC 8707 resource); "
+                    "tokens are good for /api/v1/mcp only",
+                    "flows": {
+                        "authorizationCode": {
+                            "authorizationUrl": f"{server_url}/oauth/authorize",
+                            "tokenUrl": f"{server_url}/oauth/token",
+                            "refreshUrl": f"{server_url}/oauth/token",
+                            "scopes": {
+                                "notes:read": "read and search notes",
+                                "notes:write": "create and change notes (SERVICE_MCP_WRITE)",
+                            },
+                        }
+                    },
+                },
+                "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
+                "bearerKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the API key as a bearer token (/mcp only)",
+                },
+                "xApiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "X-API-Key",
+                    "description": "the API key (/mcp only)",
+                },
+            },
+        },
+        "security": [{"apiKey": []}, {"bearerJwt": []}],
+    }
+
+
+def _json_content(schema: str) -> dict:
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
+
+
 # == src/notesvc/http/routes.py ===============================================
-# The route table and OpenAPI.
+# The route table (its OpenAPI document: http/openapi.py).
 
 # -- route table --------------------------------------------------------------------
 
@@ -43222,11 +45537,6 @@ def share_target_without_worker(svc: Service) -> bytes:
     return b""
 
 
-def get_openapi(svc: Service):
-    bottle.response.content_type = JSON_TYPE
-    return to_json(openapi_document(svc, svc.base_url(bottle.request.environ)))
-
-
 def _obj(required: Iterable[str] = (), **props: dict) -> dict:
     return {"type": "object", "required": list(required), "properties": props}
 
@@ -43249,6 +45559,12 @@ _VERSION_ID = {
     "description": "from .../versions",
 }
 _TRASH_ID = {"type": "string", "pattern": json_pattern(TRASH_ID_RE), "description": "from /trash"}
+_SUGGESTION_ID = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 64,
+    "description": "from /suggestions",
+}
 
 
 def _int(lo: int, hi: int, default: int) -> dict:
@@ -43589,6 +45905,30 @@ ROUTES = (
     ),
     Route(
         "GET",
+        "/mcp",
+        mcp_stream,
+        summary="MCP: a session's stream of notifications (Server-Sent Events; needs "
+        "Mcp-Session-Id from initialize and Accept: text/event-stream; 405 without a "
+        "session or through the relay's link, 429 over the cap of open streams)",
+        tag="mcp",
+        media="text/event-stream",
+        enveloped=False,
+        jsonrpc=True,
+        scope="read",
+    ),
+    Route(
+        "DELETE",
+        "/mcp",
+        mcp_end_session,
+        summary="MCP: end a session (Mcp-Session-Id); 405 without one",
+        status=204,
+        tag="mcp",
+        enveloped=False,
+        jsonrpc=True,
+        scope="read",
+    ),
+    Route(
+        "GET",
         "/attachments",
         list_attachments,
         summary="List attachments by path",
@@ -43911,6 +46251,36 @@ ROUTES = (
         params={"item_id": _TRASH_ID},
         tag="trash",
         scope="admin",  # purging for good: the owner's alone
+    ),
+    Route(
+        "GET",
+        "/suggestions",
+        list_suggestions,
+        summary="An assistant's suggested edits waiting for approval (SERVICE_MCP_WRITE or "
+        "SERVICE_AGENT_WRITE=suggest), newest first, in the caller's reach",
+        params={"limit": _int(1, 200, 50), "offset": _int(0, 10**6, 0)},
+        tag="suggestions",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/suggestions/<suggestion_id>/accept",
+        accept_suggestion_route,
+        summary="Apply a suggestion: an edit merged three ways with what changed since (409 "
+        "CONFLICT with conflictPath: kept as a conflict copy, closed); a move or delete only "
+        "while the note is its base (else 409, still open); 404 when not open",
+        params={"suggestion_id": _SUGGESTION_ID},
+        tag="suggestions",
+        scope="write",
+    ),
+    Route(
+        "POST",
+        "/suggestions/<suggestion_id>/reject",
+        reject_suggestion_route,
+        summary="Close a suggestion without applying it; 404 when not open",
+        params={"suggestion_id": _SUGGESTION_ID},
+        tag="suggestions",
+        scope="write",
     ),
     Route(
         "GET",
@@ -44438,143 +46808,6 @@ def channel_routes(providers: Mapping[str, ChannelProvider]) -> tuple:
     return tuple(routes)
 
 
-def openapi_path(rule: str) -> str:
-    """Return a Bottle rule as an OpenAPI path: <name> and <name:path> become {name}."""
-    return re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", rule)
-
-
-_SEGMENT = {"type": "string", "minLength": 1}  # a path parameter without its own schema
-
-
-def openapi_document(svc: Service, server_url: str) -> dict:
-    """Return the OpenAPI 3.1 document of every /api/v1 route in the table."""
-    envelope_ok = _obj(["success", "data"], success={"const": True}, data={"type": "object"})
-    envelope_err = _obj(
-        ["success", "error"],
-        success={"const": False},
-        error=_obj(["code", "message"], code={"enum": list(ERROR_CODES)}, message=_STR),
-    )
-    paths: dict = {}
-    for r in svc.routes:
-        if not r.api:
-            continue
-        success = (
-            _json_content("Success")
-            if r.enveloped
-            else {r.media: {"schema": {"type": "object" if "json" in r.media else "string"}}}
-        )
-        op: dict = {
-            "operationId": r.handler.__name__,
-            "summary": r.summary or r.handler.__name__.replace("_", " "),
-            "tags": [r.tag],
-            "responses": {
-                **{
-                    str(code): {"description": "success", "content": success}
-                    for code in sorted({200, r.status})
-                },
-                "default": {
-                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 410, "
-                    "412, 413, 415, 429, 500, 502, 503, 504 or 507",
-                    "content": _json_content("Error"),
-                },
-            },
-        }
-        if r.jsonrpc:
-            answer = {"application/json": {"schema": {"type": "object"}}}
-            op["responses"] = {
-                "200": {"description": "the JSON-RPC answer", "content": answer},
-                "202": {"description": "a notification (or response), accepted"},
-                "default": {"description": "a JSON-RPC error object", "content": answer},
-            }
-            op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
-            op["security"].append({"mcpOAuth": [OAUTH_SCOPES[0]]})  # docs/api.md: Let others in
-        if r.public:
-            op["security"] = []
-        elif r.key_only:
-            op["security"] = [{"apiKey": []}]
-        if not r.public:
-            op["x-scope"] = r.scope
-        schemas = r.params or {}  # a name of the rule's is a path parameter, others query
-        in_path = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
-        params = [
-            {"name": p, "in": "path", "required": True, "schema": schemas.get(p, _SEGMENT)}
-            for p in in_path
-        ]
-        params += [
-            {"name": n, "in": "query", "required": n == "q", "schema": schema}
-            for n, schema in schemas.items()
-            if n not in in_path
-        ]
-        if params:
-            op["parameters"] = params
-        body = r.body(svc) if callable(r.body) else r.body  # built per app and document
-        if body is not None:
-            op["requestBody"] = {
-                "required": bool(
-                    body.get("required") or body.get("oneOf") or body.get("minProperties")
-                ),
-                "content": {r.body_media: {"schema": body}},
-            }
-        paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "notesvc",
-            "version": __version__,
-            "description": "A self-hosted notes server. Every answer is the envelope "
-            '{"success": true, "data": {...}} or {"success": false, "error": {code, message}}; '
-            "note paths in URLs are percent-encoded with / as %2F.",
-        },
-        "servers": [{"url": server_url}],
-        "paths": paths,
-        "components": {
-            "schemas": {"Success": envelope_ok, "Error": envelope_err},
-            "securitySchemes": {
-                "apiKey": {
-                    "type": "apiKey",
-                    "in": "header",
-                    "name": KEY_HEADER,
-                    "description": "the API key (admin), or a scoped key (nsg_...) holding "
-                    "the scope an operation's x-scope names (also as Authorization: Bearer)",
-                },
-                "mcpOAuth": {
-                    "type": "oauth2",
-                    "description": "OAuth 2.1 for MCP clients (PKCE S256, RFC 8707 resource); "
-                    "tokens are good for /api/v1/mcp only",
-                    "flows": {
-                        "authorizationCode": {
-                            "authorizationUrl": f"{server_url}/oauth/authorize",
-                            "tokenUrl": f"{server_url}/oauth/token",
-                            "refreshUrl": f"{server_url}/oauth/token",
-                            "scopes": {
-                                "notes:read": "read and search notes",
-                                "notes:write": "create and change notes (SERVICE_MCP_WRITE)",
-                            },
-                        }
-                    },
-                },
-                "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
-                "bearerKey": {
-                    "type": "http",
-                    "scheme": "bearer",
-                    "description": "the API key as a bearer token (/mcp only)",
-                },
-                "xApiKey": {
-                    "type": "apiKey",
-                    "in": "header",
-                    "name": "X-API-Key",
-                    "description": "the API key (/mcp only)",
-                },
-            },
-        },
-        "security": [{"apiKey": []}, {"bearerJwt": []}],
-    }
-
-
-def _json_content(schema: str) -> dict:
-    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
-
-
 # == src/notesvc/http/app.py ==================================================
 # NotesApp (the middleware) and create_app.
 
@@ -44660,9 +46893,12 @@ _RELAY_PREFIX_RE = re.compile(r"^/r/[^/]+(?=/)")
 _RELAYED_RE = re.compile(r"^/r/([^/]+)(/.*)?$")
 CORS_HEADERS = (
     "X-Service-Key, Content-Type, Authorization, If-Match, If-None-Match, Range, If-Range, "
-    "X-API-Key, Idempotency-Key, MCP-Protocol-Version, Mcp-Method, Mcp-Name"  # last 4: /mcp
+    "X-API-Key, Idempotency-Key, MCP-Protocol-Version, Mcp-Method, Mcp-Name, Mcp-Session-Id, "
+    "Last-Event-ID"  # from MCP-Protocol-Version on: /mcp's
 )
-CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After, Content-Range, Content-Disposition"
+CORS_EXPOSE = (
+    "ETag, Location, X-Request-Id, Retry-After, Content-Range, Content-Disposition, Mcp-Session-Id"
+)
 CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 
 

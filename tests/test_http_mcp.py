@@ -79,6 +79,17 @@ def raw_mcp(client, body: bytes | str, status="*", **headers):
     return with_status(client.post(f"{API}/mcp", body, headers=hdrs, expect_errors=True), status)
 
 
+def initialize(client, version: str = "2025-11-25", **headers):
+    """POST initialize (handshake era); return the response (its Mcp-Session-Id header)."""
+    params = {
+        "protocolVersion": version,
+        "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"},
+    }
+    body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
+    return raw_mcp(client, json.dumps(body), 200, **headers)
+
+
 def rpc_error(resp, status: int, code: int) -> dict:
     """Assert a JSON-RPC error answer (no envelope, no traceback); return its error."""
     assert resp.status_int == status, resp.text
@@ -119,11 +130,16 @@ class TestMcp:
                 headers={"Content-Type": "application/json"},
             )
             assert resp.content_type == "application/json"
-            assert "Mcp-Session-Id" not in resp.headers  # nothing is kept between requests
+            assert re.fullmatch(r"[A-Za-z0-9_-]{22}", resp.headers["Mcp-Session-Id"])
             result = resp.json["result"]
             assert resp.json["id"] == 7
             assert result["protocolVersion"] == given
-            assert result["capabilities"] == {"tools": {"listChanged": False}}
+            assert result["capabilities"] == {
+                "tools": {"listChanged": False},
+                "resources": {"subscribe": True, "listChanged": True},
+                "prompts": {"listChanged": False},
+                "completions": {},
+            }
             assert result["serverInfo"]["name"] == "notesvc"
             assert result["serverInfo"]["version"] == notesvc.__version__
             assert "search_notes" in result["instructions"]
@@ -140,7 +156,12 @@ class TestMcp:
         assert found["id"] == "m-1"
         result = found["result"]
         assert result["supportedVersions"] == ["2025-06-18", "2025-11-25", "2026-07-28"]
-        assert result["capabilities"] == {"tools": {"listChanged": False}}
+        assert result["capabilities"] == {  # no stream in this era: no subscriptions
+            "tools": {"listChanged": False},
+            "resources": {"subscribe": False, "listChanged": False},
+            "prompts": {"listChanged": False},
+            "completions": {},
+        }
         assert result["resultType"] == "complete"
         assert result["cacheScope"] == "private"
         assert result["ttlMs"] >= 0
@@ -197,7 +218,7 @@ class TestMcp:
             ('{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}', 400, -32600),
             ('{"jsonrpc": "2.0", "id": {"a": 1}, "method": "ping"}', 400, -32600),
             ('{"jsonrpc": "2.0", "id": null, "method": "ping"}', 400, -32600),
-            ('{"jsonrpc": "2.0", "id": 1, "method": "resources/list"}', 200, -32601),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "sampling/createMessage"}', 200, -32601),
             ('{"jsonrpc": "2.0", "id": 1, "method": "' + "x" * 5000 + '"}', 200, -32601),
             ('{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": [1]}', 200, -32602),
             (
@@ -237,7 +258,7 @@ class TestMcp:
         assert resp.json["id"] is None
 
     def test_stateless_methods_not_served_are_404(self, mcp):
-        for method in ("initialize", "ping", "resources/list"):
+        for method in ("initialize", "ping", "logging/setLevel"):
             rpc_error(modern(mcp, method), 404, -32601)
 
     def test_stateless_envelope_and_version_checks(self, mcp):
@@ -330,12 +351,95 @@ class TestMcp:
         old = {"MCP-Protocol-Version": "2025-11-25"}
         assert "resultType" not in raw_mcp(mcp, body, **old).json["result"]
 
-    def test_get_delete_put_are_405_in_json_rpc(self, mcp):
+    def test_get_delete_put_are_405_in_json_rpc(self, mcp, anon):
+        # GET and DELETE without a session, PUT and PATCH always: 405 in JSON-RPC
         for method in ("GET", "DELETE", "PUT", "PATCH"):
             resp = mcp.request(f"{API}/mcp", method=method, expect_errors=True)
             error = rpc_error(resp, 405, -32000)
             assert error["data"] == {"status": 405, "code": "METHOD_NOT_ALLOWED"}
-            assert resp.headers["Allow"] == "POST"
+            assert "POST" in resp.headers["Allow"]
+        # credentials first: whatever the session id, a missing key is 401
+        resp = anon.get(f"{API}/mcp", headers={"Mcp-Session-Id": "x" * 22}, expect_errors=True)
+        rpc_error(resp, 401, -32000)
+        # with a session: DELETE ends it (204); then it is unknown (404) to GET, POST, DELETE
+        sid = initialize(mcp).headers["Mcp-Session-Id"]
+        hdr = {"Mcp-Session-Id": sid}
+        # HEAD (Bottle routes it as GET) opens no stream: 405, whatever the session
+        head = mcp.request(f"{API}/mcp", method="HEAD", headers=hdr, expect_errors=True)
+        assert (head.status_int, head.headers["Allow"]) == (405, "POST, GET, DELETE")
+        assert mcp.delete(f"{API}/mcp", headers=hdr, status=204).body == b""
+        for method in ("GET", "DELETE"):
+            resp = mcp.request(f"{API}/mcp", method=method, headers=hdr, expect_errors=True)
+            rpc_error(resp, 404, -32000)
+        rpc_error(raw_mcp(mcp, '{"jsonrpc": "2.0", "id": 1, "method": "ping"}', **hdr), 404, -32000)
+        for method in ("PUT", "PATCH"):  # a session changes nothing for these
+            resp = mcp.request(f"{API}/mcp", method=method, headers=hdr, expect_errors=True)
+            rpc_error(resp, 405, -32000)
+
+    def test_the_stream_says_ok_then_a_comment_a_while_and_ends_at_its_time(
+        self, make_app, monkeypatch
+    ):
+        monkeypatch.setattr(notesvc.McpSessions, "COMMENT_SECONDS", 0.15)
+        client = with_key(make_app(SERVICE_MCP_STREAM_SECONDS="1"))
+        sid = initialize(client).headers["Mcp-Session-Id"]
+        hdr = {"Mcp-Session-Id": sid, "Accept": "text/event-stream"}
+        resp = client.get(f"{API}/mcp", headers=hdr)  # read to its end: 1 s
+        assert resp.content_type == "text/event-stream"
+        blocks = resp.body.decode().split("\n\n")
+        assert blocks[0] == ": ok"
+        assert blocks[-1] == ""
+        # nothing happened: only comments, about one each 0.15 s of the 1 s (a busy machine
+        # sends fewer, never more)
+        assert set(blocks[1:-1]) == {": keep-alive"}
+        assert 2 <= len(blocks[1:-1]) <= 7
+
+    def test_sessions_are_capped_least_recently_used_first_and_dropped_when_idle(
+        self, mcp, monkeypatch
+    ):
+        monkeypatch.setattr(notesvc.McpSessions, "MAX_SESSIONS", 3)
+        ping = '{"jsonrpc": "2.0", "id": 1, "method": "ping"}'
+        sids = [initialize(mcp).headers["Mcp-Session-Id"] for _ in range(3)]
+        raw_mcp(mcp, ping, 200, **{"Mcp-Session-Id": sids[0]})  # the first is used again
+        sids.append(initialize(mcp).headers["Mcp-Session-Id"])  # over the cap: sids[1] goes
+        for sid, status in zip(sids, (200, 404, 200, 200)):
+            raw_mcp(mcp, ping, status, **{"Mcp-Session-Id": sid})
+        error = rpc_error(raw_mcp(mcp, ping, **{"Mcp-Session-Id": sids[1]}), 404, -32000)
+        assert "initialize again" in error["message"]
+        monkeypatch.setattr(notesvc.McpSessions, "IDLE_SECONDS", 0)  # all unused too long
+        raw_mcp(mcp, ping, 404, **{"Mcp-Session-Id": sids[3]})
+
+    def test_a_browser_client_may_send_and_read_the_session_id(self, make_app):
+        client = with_key(make_app(SERVICE_CORS_ORIGINS="https://app.example"))
+        origin = {"Origin": "https://app.example"}
+        asked = client.options(
+            f"{API}/mcp",
+            headers={
+                **origin,
+                "Access-Control-Request-Method": "GET",
+                "Access-Control-Request-Headers": "mcp-session-id",
+            },
+        )
+        assert "Mcp-Session-Id" in asked.headers["Access-Control-Allow-Headers"]
+        started = initialize(client, **origin)
+        assert "Mcp-Session-Id" in started.headers["Access-Control-Expose-Headers"]
+        assert len(started.headers["Mcp-Session-Id"]) == 22
+
+    def test_sessions_through_passthrough_but_not_the_terminating_relay(self, mcp):
+        key = key_of(mcp)
+        relayed = as_key(mcp, key, **{"notesvc.relayed": True})
+        spliced = as_key(mcp, key, **{"notesvc.relayed": True, "notesvc.spliced": True})
+        started = initialize(relayed)  # the relay ends TLS: no session, no subscriptions
+        assert "Mcp-Session-Id" not in started.headers
+        caps = started.json["result"]["capabilities"]["resources"]
+        assert caps == {"subscribe": False, "listChanged": False}
+        started = initialize(spliced)  # TLS ends here (passthrough): as a direct connection
+        caps = started.json["result"]["capabilities"]["resources"]
+        assert caps == {"subscribe": True, "listChanged": True}
+        hdr = {"Mcp-Session-Id": started.headers["Mcp-Session-Id"]}
+        ping = '{"jsonrpc": "2.0", "id": 1, "method": "ping"}'
+        raw_mcp(spliced, ping, 200, **hdr)
+        resp = relayed.get(f"{API}/mcp", headers=hdr, expect_errors=True)
+        assert rpc_error(resp, 405, -32000)["data"]["code"] == "METHOD_NOT_ALLOWED"
 
     def test_limits_are_json_rpc_errors(self, make_app):
         client = with_key(make_app(SERVICE_MAX_BODY_BYTES="2048"))
@@ -618,7 +722,8 @@ class TestMcpServer:
             server.url + f"{API}/mcp", {"Authorization": f"Bearer {server.key}"}, mode, steps
         )
         assert got == version
-        assert set(names) == set(notesvc.TOOLS)
+        # every tool but the review card's two (listed in suggest mode only)
+        assert set(names) == {n for n, t in notesvc.TOOLS.items() if not t.app_only}
         assert hits.is_error is False
         assert hits.content[0].text.startswith("notes/garden.md — Garden: ")
         assert hits.structured_content["results"][0]["path"] == "notes/garden.md"

@@ -67,8 +67,10 @@ class TestTools:
         seed_notes(client)
         return client
 
-    def test_every_tool_is_listed_documented_and_tested(self, tools):
-        assert listed_tools(tools) == set(notesvc.TOOLS)
+    def test_every_tool_is_listed_documented_and_tested(self, tools, make_app):
+        # the review card's own tools are listed in suggest mode only
+        assert listed_tools(tools) == {n for n, t in notesvc.TOOLS.items() if not t.app_only}
+        assert listed_tools(with_key(make_app(SERVICE_MCP_WRITE="suggest"))) == set(notesvc.TOOLS)
         reference = (HERE / "docs" / "api.md").read_text()
         tests = [name for name in dir(type(self)) if name.startswith("test_tool_")]
         for name in notesvc.TOOLS:
@@ -569,3 +571,112 @@ class TestTools:
             fetched["metadata"]["etag"] == data(tools.get(note_url("notes/home/keys.md")))["etag"]
         )
         tool_refused(tools, "fetch", "NOT_FOUND", id="notes/none.md")
+
+    def history(self, tools) -> list:
+        """Change notes/garden.md twice; return its versions, newest first."""
+        garden = "notes%2Fgarden.md"
+        tools.put_json(f"{API}/notes/{garden}", {"content": "# Garden\n\nsecond\n"})
+        tools.put_json(f"{API}/notes/{garden}", {"content": "# Garden\n\nthird\n"})
+        return ok_tool(tools, "note_history", path="notes/garden.md")["versions"]
+
+    def test_tool_note_history_lists_versions_with_their_fields(self, tools):
+        versions = self.history(tools)
+        assert len(versions) == 2
+        assert set(versions[0]) >= {"id", "savedAt", "size", "etag", "reason", "savedBy", "summary"}
+        assert [v["reason"] for v in versions] == ["updated", "updated"]
+        assert ok_tool(tools, "note_history", path="notes/garden.md", limit=1)["total"] == 2
+        text = call_tool(tools, "note_history", path="notes/garden.md")["content"][0]["text"]
+        assert versions[0]["id"] in text
+        tool_refused(tools, "note_history", "NOT_FOUND", path="notes/none.md")
+        tool_refused(tools, "note_history", "VALIDATION_ERROR", path="notes/../x.md")
+        tool_refused(tools, "note_history", "VALIDATION_ERROR", path="notes/garden.md", limit=0)
+
+    def test_tool_note_diff_between_versions_and_now(self, tools):
+        versions = self.history(tools)
+        diff = ok_tool(tools, "note_diff", path="notes/garden.md", **{"from": versions[0]["id"]})
+        assert diff["to"] == "current"
+        assert "-second" in diff["diff"]
+        assert "+third" in diff["diff"]
+        older = ok_tool(
+            tools,
+            "note_diff",
+            path="notes/garden.md",
+            to=versions[0]["id"],
+            **{"from": versions[1]["id"]},
+        )
+        assert "+second" in older["diff"]
+        for bad in ("nope", "../x", "0" * 100):
+            tool_refused(
+                tools, "note_diff", "VALIDATION_ERROR", path="notes/garden.md", **{"from": bad}
+            )
+        missing = "0000000000000001-updated-" + "0" * 32
+        tool_refused(tools, "note_diff", "NOT_FOUND", path="notes/garden.md", **{"from": missing})
+
+    def test_tool_restore_version_needs_the_etag(self, tools):
+        versions = self.history(tools)
+        etag = data(tools.get(note_url("notes/garden.md")))["etag"]
+        args = {"path": "notes/garden.md", "versionId": versions[1]["id"]}
+        tool_refused(tools, "restore_version", "PRECONDITION_FAILED", etag='"0"', **args)
+        done = ok_tool(tools, "restore_version", etag=etag, **args)
+        assert data(tools.get(note_url("notes/garden.md")))["content"].startswith(
+            "# Garden\n\nPlant"
+        )
+        assert done["path"] == "notes/garden.md"
+        listed = ok_tool(tools, "note_history", path="notes/garden.md")["versions"]
+        assert listed[0]["reason"] == "restored"
+
+    def suggesting(self, make_app, root=None):
+        client = with_key(make_app(root, SERVICE_MCP_WRITE="suggest"))
+        seed_notes(client)
+        return client
+
+    def test_tool_accept_suggestion_applies_it_for_the_review_card(self, make_app):
+        client = self.suggesting(make_app)
+        made = ok_tool(client, "append_to_note", path="notes/garden.md", text="- basil")
+        done = ok_tool(client, "accept_suggestion", id=made["suggestion"]["id"])
+        assert done["suggestion"]["status"] == "accepted"
+        assert done["note"]["path"] == "notes/garden.md"
+        assert data(client.get(note_url("notes/garden.md")))["content"].endswith("- basil\n")
+        tool_refused(client, "accept_suggestion", "NOT_FOUND", id=made["suggestion"]["id"])
+
+    def test_tool_reject_suggestion_closes_it(self, make_app):
+        client = self.suggesting(make_app)
+        made = ok_tool(client, "create_note", path="notes/idea.md", content="x")
+        assert ok_tool(client, "reject_suggestion", id=made["suggestion"]["id"])["status"] == (
+            "rejected"
+        )
+        client.get(note_url("notes/idea.md"), status=404)
+        tool_refused(client, "reject_suggestion", "NOT_FOUND", id="nope")
+
+    def test_every_structured_result_matches_its_output_schema(self, tools, make_app, tmp_path):
+        jsonschema = pytest.importorskip("jsonschema")
+        versions = self.history(tools)
+        etag = data(tools.get(note_url("notes/work.md")))["etag"]
+        calls = {
+            "search_notes": {"query": "tomatoes"},
+            "related_notes": {"path": "notes/garden.md"},
+            "read_note": {"path": "notes/garden.md"},
+            "list_folder": {},
+            "recent_changes": {},
+            "list_tags": {},
+            "create_note": {"path": "notes/new.md", "content": "x"},
+            "append_to_note": {"path": "notes/new.md", "text": "y"},
+            "replace_in_note": {"path": "notes/new.md", "old": "y", "new": "z"},
+            "update_note": {"path": "notes/work.md", "content": "w", "etag": etag},
+            "note_history": {"path": "notes/garden.md"},
+            "note_diff": {"path": "notes/garden.md", "from": versions[0]["id"]},
+            "search": {"query": "tomatoes"},
+            "fetch": {"id": "notes/garden.md"},
+        }
+        listed = {t["name"]: t for t in rpc(tools, "tools/list")["result"]["tools"]}
+        for name, arguments in calls.items():
+            schema = listed[name]["outputSchema"]
+            jsonschema.Draft202012Validator.check_schema(schema)
+            jsonschema.validate(ok_tool(tools, name, **arguments), schema)
+        assert all("outputSchema" in t and t["title"] for t in listed.values())
+        suggest = self.suggesting(make_app, tmp_path / "suggesting")
+        listed = {t["name"]: t for t in rpc(suggest, "tools/list")["result"]["tools"]}
+        made = ok_tool(suggest, "create_note", path="notes/s.md", content="x")
+        jsonschema.validate(made, listed["create_note"]["outputSchema"])
+        done = ok_tool(suggest, "accept_suggestion", id=made["suggestion"]["id"])
+        jsonschema.validate(done, listed["accept_suggestion"]["outputSchema"])

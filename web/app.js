@@ -2023,6 +2023,7 @@ const app = (() => {
       featuresRead.catch((e) => (offline.offlineOn() ? null : Promise.reject(e))),
     ]);
     if (core.features.changes) followChanges();
+    suggestions.start().catch(() => {}); // an assistant's edits waiting: the badge
     await sendNewDrafts().catch(() => {}); // what a closed tab was writing goes now
     if (offline.offlineOn()) {
       offline.sendOutbox().catch(() => {}); // what waits goes now

@@ -48,6 +48,10 @@ async function load() {
   $("host").textContent = facts.redirectHost;
   if (!facts.writeAllowed) $("write-row").classList.add("hidden");
   else if (facts.scope === "write") $("scope-write").checked = true;
+  if (facts.writeAllowed === "suggest") {
+    // SERVICE_MCP_WRITE=suggest: its writes wait for you to accept them
+    $("write-text").textContent = "read your notes and suggest changes (you accept or reject each)";
+  }
   // The web client's key on this origin (session or device), offered only when it was kept
   // for this very server's API: on a relay, every server's consent page has this origin.
   let kept = "",

@@ -10,6 +10,7 @@
   people.wirePeople();
   offline.wireOffline();
   capturing.wireCapture();
+  suggestions.wireSuggestions();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {
     // the share sheet reached the server itself: no worker here to keep what was shared

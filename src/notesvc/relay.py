@@ -1204,7 +1204,12 @@ class RelayServer:
     async def forward(self, req: RelayRequest, server_id: str, rest: str, prefix=None) -> tuple:
         """Hand a request to server_id as its path `rest`; `prefix` is what the server sees
         in front of it: /r/<serverId> on the relay's host, nothing on its own origin."""
-        headers = [[k, v] for k, v in req.headers if k.lower() not in HOP_BY_HOP]
+        # no MCP sessions through the relay (their stream cannot pass): the id goes neither way
+        headers = [
+            [k, v]
+            for k, v in req.headers
+            if k.lower() not in HOP_BY_HOP and k.lower() != "mcp-session-id"
+        ]
         answer = await self.hub.forward(
             server_id,
             {

@@ -215,6 +215,7 @@ class Service:
         self.trash = Trash(state / "trash", config.trash_days)
         self.journal = ChangeJournal(state / "changes.log")
         self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
+        self._acting = threading.local()  # acting_as: who a change is saved by, overridden
         self.notes.actor = self.saved_by  # versions name who saved them
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
         # the other files beside the notes (an image in a vault, put there over WebDAV)
@@ -245,11 +246,27 @@ class Service:
         # ... and made on first use, by the function named (a request of theirs):
         self.task_book: Any = None  # TaskBook: the tasks' UIDs and sync tokens (task_book)
         self.dav: Any = None  # DavState: WebDAV's locks, properties, ETags (dav_state)
+        self.suggestions: Any = None  # SuggestionStore: edits waiting for approval
+        self.mcp_sessions: Any = None  # McpSessions: MCP's sessions, streams, subscriptions
+
+    @contextlib.contextmanager
+    def acting_as(self, name: str | None):
+        """Within it, changes are saved by `name` (history's savedBy): an accepted
+        suggestion names the connector that made it, not the person who accepted it."""
+        before = getattr(self._acting, "name", None)
+        self._acting.name = name
+        try:
+            yield
+        finally:
+            self._acting.name = before
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a
         key's, an app's; a person's as `<person> · <device>`), as versions record it; None
         for the owner or outside a request."""
+        acting = getattr(self._acting, "name", None)  # a suggestion accepted: its connector
+        if acting is not None:
+            return acting
         who, via = request_principal(), acting_via()
         if via:  # a chat bound to a person: "<person> · <channel>"
             person = self.people.get(who.person)

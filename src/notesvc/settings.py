@@ -66,6 +66,17 @@ def _bool(raw: str) -> bool:
     raise ValueError(f"{raw!r} is not true or false")
 
 
+def _write_mode(raw: str) -> bool | str:
+    """Parse SERVICE_MCP_WRITE / SERVICE_AGENT_WRITE: true, false (as _bool takes them), or
+    `suggest` (the write tools make suggestions the person accepts or rejects)."""
+    if raw.strip().lower() == "suggest":
+        return "suggest"
+    try:
+        return _bool(raw)
+    except ValueError:
+        raise ValueError(f"{raw!r} is not true, false or suggest") from None
+
+
 def _setup_local_only(raw: str) -> str:
     """Parse SERVICE_SETUP_LOCAL_ONLY: auto, or true / false (as _bool takes them)."""
     word = raw.strip().lower()
@@ -357,8 +368,22 @@ SETTINGS = (
     Setting("embed_url", "SERVICE_EMBED_URL", "--embed-url", "", _embed_url, "embeddings URL"),
     Setting("embed_model", "SERVICE_EMBED_MODEL", "--embed-model", "", _text, "embeddings model"),
     Setting("embed_key", "SERVICE_EMBED_KEY", "", "", _text, "embeddings API key (a secret)"),
-    Setting("agent_write", "SERVICE_AGENT_WRITE", "", "false", _bool, "the agent may change notes"),
-    Setting("mcp_write", "SERVICE_MCP_WRITE", "", "false", _bool, "MCP clients may change notes"),
+    Setting(
+        "agent_write",
+        "SERVICE_AGENT_WRITE",
+        "",
+        "false",
+        _write_mode,
+        "the agent may change notes (true), or suggest changes (suggest)",
+    ),
+    Setting(
+        "mcp_write",
+        "SERVICE_MCP_WRITE",
+        "",
+        "false",
+        _write_mode,
+        "MCP clients may change notes (true), or suggest changes (suggest)",
+    ),
     Setting(
         "telegram_api_base",
         "SERVICE_TELEGRAM_API_BASE",
@@ -423,7 +448,15 @@ SETTINGS = (
         "",
         "auto",
         _waiters,
-        "change-feed long-polls held at once (auto: half of SERVICE_THREADS)",
+        "change-feed long-polls and MCP streams held at once (auto: half of SERVICE_THREADS)",
+    ),
+    Setting(
+        "mcp_stream_seconds",
+        "SERVICE_MCP_STREAM_SECONDS",
+        "",
+        "10m",
+        _duration(1, 3600),
+        "how long one MCP notification stream (GET /mcp) lasts before the client opens another",
     ),
     Setting(
         "max_connections",
@@ -717,8 +750,9 @@ class Config:
     embed_key: str
     agent_timeout: float
     agent_max_steps: int
-    agent_write: bool
-    mcp_write: bool
+    agent_write: bool | str  # True, False or "suggest"
+    mcp_write: bool | str
+    mcp_stream_seconds: int
     telegram_api_base: str
     whatsapp_api_base: str
     max_body_bytes: int

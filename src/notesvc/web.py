@@ -53,6 +53,7 @@ WEB_DEVICES_JS = web_source("devices.js")
 WEB_PEOPLE_JS = web_source("people.js")
 WEB_TRANSFER_JS = web_source("transfer.js")
 WEB_CAPTURE_JS = web_source("capture.js")
+WEB_SUGGESTIONS_JS = web_source("suggestions.js")
 WEB_MAIN_JS = web_source("main.js")
 # Record's code: its own script, fetched when Record is first pressed (the page's budget)
 RECORD_JS = web_source("record.js")
@@ -178,8 +179,8 @@ def lean_css(css: str) -> str:
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# people.js, transfer.js, offline.js, capture.js, and last main.js, where the page starts (the
-# files before it only define).
+# people.js, transfer.js, offline.js, capture.js, suggestions.js, and last main.js, where
+# the page starts (the files before it only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -199,6 +200,7 @@ WEB_JS = "".join(
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
         WEB_CAPTURE_JS,
+        WEB_SUGGESTIONS_JS,
         WEB_MAIN_JS,
     )
 )
@@ -460,6 +462,24 @@ RELAY_LANDING_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "public, max-age=3600",
 }
+
+
+# -- MCP's review card (ui://notesvc/review): a page for an assistant's host --------------
+#
+# Self-contained: its style and script inline, allowed by their hashes in its own CSP (a
+# meta tag: the host serves it, not us), no other source, no connection, no frame.
+
+REVIEW_SOURCE = web_source("review.html")
+_REVIEW_CSS = REVIEW_SOURCE.split("<style>")[1].split("</style>")[0]
+_REVIEW_JS = REVIEW_SOURCE.split("<script>")[1].split("</script>")[0]
+REVIEW_CSP_META = (
+    f"default-src 'none'; script-src {_csp_hash(_REVIEW_JS)}; "
+    f"style-src {_csp_hash(_REVIEW_CSS)}; img-src 'none'; connect-src 'none'; "
+    "form-action 'none'; base-uri 'none'"
+)
+REVIEW_HTML = REVIEW_SOURCE.replace(
+    "<!--CSP-->", f'<meta http-equiv="Content-Security-Policy" content="{REVIEW_CSP_META}">', 1
+)
 
 
 # -- compression: each page gzipped once, at start (docs/api.md: Compression) --------------

@@ -64,6 +64,12 @@ from notesvc.search.hybrid import find_notes, related_notes
 from notesvc.search.text import MAX_QUERY_CHARS, Query
 from notesvc.service import Service
 from notesvc.settings import Config
+from notesvc.suggestions import (
+    accept_suggestion,
+    open_suggestions,
+    public_suggestion,
+    reject_suggestion,
+)
 
 # -- system ---------------------------------------------------------------------
 
@@ -976,3 +982,29 @@ def agent_status(svc: Service) -> dict:
         "provider": provider.name,
         "model": provider.model(svc.config),
     }
+
+
+# -- suggestions: an assistant's edits waiting for approval (docs/api.md: Suggestions) -----
+
+
+def list_suggestions(svc: Service) -> dict:
+    """GET /suggestions: the open suggestions in the caller's reach, newest first."""
+    limit = query_int("limit", 50, 1, 200)
+    offset = query_int("offset", 0, 0, 10**6)
+    shown = open_suggestions(svc)
+    page = [public_suggestion(svc, s) for s in shown[offset : offset + limit]]
+    return {"suggestions": page, "total": len(shown), "limit": limit, "offset": offset}
+
+
+def accept_suggestion_route(svc: Service, suggestion_id: str) -> dict:
+    """POST /suggestions/:id/accept: apply it (an edit merged three ways; 409 with its
+    conflict copy when it clashed)."""
+    done = accept_suggestion(svc, suggestion_id)
+    if "etag" in done["note"]:
+        bottle.response.set_header("ETag", done["note"]["etag"])
+    return done
+
+
+def reject_suggestion_route(svc: Service, suggestion_id: str) -> dict:
+    """POST /suggestions/:id/reject: close it unapplied."""
+    return reject_suggestion(svc, suggestion_id)

@@ -111,9 +111,12 @@ _RELAY_PREFIX_RE = re.compile(r"^/r/[^/]+(?=/)")
 _RELAYED_RE = re.compile(r"^/r/([^/]+)(/.*)?$")
 CORS_HEADERS = (
     "X-Service-Key, Content-Type, Authorization, If-Match, If-None-Match, Range, If-Range, "
-    "X-API-Key, Idempotency-Key, MCP-Protocol-Version, Mcp-Method, Mcp-Name"  # last 4: /mcp
+    "X-API-Key, Idempotency-Key, MCP-Protocol-Version, Mcp-Method, Mcp-Name, Mcp-Session-Id, "
+    "Last-Event-ID"  # from MCP-Protocol-Version on: /mcp's
 )
-CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After, Content-Range, Content-Disposition"
+CORS_EXPOSE = (
+    "ETag, Location, X-Request-Id, Retry-After, Content-Range, Content-Disposition, Mcp-Session-Id"
+)
 CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 
 

@@ -1,4 +1,4 @@
-"""MCP over JSON-RPC 2.0: /mcp's tools for assistants, in both protocol eras."""
+"""MCP over JSON-RPC 2.0: /mcp's tools, resources and prompts, in both protocol eras."""
 
 from __future__ import annotations
 
@@ -7,10 +7,28 @@ import json
 import re
 from typing import Any
 
-from notesvc.boot import __version__, bottle, log
+from notesvc.boot import API, __version__, bottle, log
 from notesvc.errors import JSON_TYPE, ApiError, to_json
-from notesvc.grants import Principal, request_principal
+from notesvc.grants import Principal, request_principal, visible_note
 from notesvc.helpers import no_constant
+from notesvc.http.mcp_sessions import McpSession, mcp_sessions, terminated_relay
+from notesvc.mcp_resources import (
+    HEADER_MISMATCH,
+    INVALID_PARAMS,
+    INVALID_REQUEST,
+    METHOD_NOT_FOUND,
+    PARSE_ERROR,
+    RESOURCE_NOT_FOUND,
+    RESOURCE_TEMPLATES,
+    UNSUPPORTED_VERSION,
+    McpError,
+    complete,
+    get_prompt,
+    list_prompts,
+    list_resources,
+    parse_uri,
+    read_resource,
+)
 from notesvc.providers.base import (
     MCP_HANDSHAKE_VERSIONS,
     MCP_STATELESS_VERSIONS,
@@ -22,48 +40,71 @@ from notesvc.providers.base import (
 )
 from notesvc.service import Service, current_request_id
 from notesvc.settings import Config
+from notesvc.suggestions import connector_of
+from notesvc.tools import REVIEW_URI, SUGGESTION_OUTPUT
+from notesvc.web import REVIEW_CSP_META, REVIEW_HTML
 
-# -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
+# -- MCP over JSON-RPC 2.0 (Streamable HTTP) ---------------------------------------------------
 #
-# POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object (no SSE,
-# no sessions). Two eras share it, told apart the way the official SDKs route them: by the
-# MCP-Protocol-Version header (none, or a handshake-era version: the handshake era).
-#   2025-06-18, 2025-11-25: `initialize` (nothing is kept: every request stands alone),
-#     `notifications/initialized` (202), `ping`, `tools/list`, `tools/call`.
+# POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object. Two eras
+# share it, told apart the way the official SDKs route them: by the MCP-Protocol-Version
+# header (none, or a handshake-era version: the handshake era).
+#   2025-06-18, 2025-11-25: `initialize` (on a direct connection it opens a session:
+#     Mcp-Session-Id, http/mcp_sessions.py; a POST without the header stands alone),
+#     `notifications/initialized` (202), `ping`, tools, resources (subscriptions need the
+#     session and its GET stream), prompts. DELETE with the session ends it.
 #   2026-07-28 (stateless): no handshake; each request carries its version and capabilities
 #     in `params._meta`, and the MCP-Protocol-Version, Mcp-Method and Mcp-Name headers must
 #     repeat the body (-32020 when they do not); an unknown version is -32022 with the list.
-#     `server/discover`, `tools/list`, `tools/call`; results carry `resultType: "complete"`.
+#     `server/discover`, tools, resources (no subscriptions), prompts; results carry
+#     `resultType: "complete"`.
 
 _HANDSHAKE_ERA = ("2024-11-05", "2025-03-26", *MCP_HANDSHAKE_VERSIONS)
 META_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
-PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
-HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
 # The HTTP status of a stateless-era error (the SDKs' table); in the handshake era a body
 # that cannot be taken is 400 and every other error 200.
-_STATELESS_STATUS = {METHOD_NOT_FOUND: 404}
+_STATELESS_STATUS = {METHOD_NOT_FOUND: 404, RESOURCE_NOT_FOUND: 404}
 _HANDSHAKE_400 = (PARSE_ERROR, INVALID_REQUEST, UNSUPPORTED_VERSION)
 MCP_LIST_TTL_MS = 60000  # how long a stateless client may cache the tool list
 MCP_INSTRUCTIONS = (
     "The user's Markdown notes, paths like notes/<folders>/<name>.md. Find notes with "
     "search_notes (or list_folder, recent_changes) and read them with read_note before "
     "answering from them; name the paths you used. To change a note, read it first and pass "
-    "its etag to update_note or move_note."
+    "its etag to update_note or move_note. note_history and note_diff show what a note was. "
+    "The notes are also resources (notesvc://note/<path>), and the prompts ingest, "
+    "weekly-review, summarize-folder and tidy start the usual wiki work."
 )
+SUGGEST_INSTRUCTIONS = (
+    " Changes are suggestions here: the write tools change nothing until the user accepts "
+    "them; say so, and give the suggestion's link."
+)
+SESSION_HEADER = "Mcp-Session-Id"
+
+
+def capabilities(subscribe: bool) -> dict:
+    """Return the server's capabilities: resources subscribed to only where a session and
+    its stream can carry the notifications."""
+    return {
+        "tools": {"listChanged": False},
+        "resources": {"subscribe": subscribe, "listChanged": subscribe},
+        "prompts": {"listChanged": False},
+        "completions": {},
+    }
+
+
+def instructions(svc: Service) -> str:
+    suggest = svc.config.mcp_write == "suggest"
+    return MCP_INSTRUCTIONS + (SUGGEST_INSTRUCTIONS if suggest else "")
 
 
 def server_info() -> dict:
     return {"name": "notesvc", "title": "notesvc notes", "version": __version__}
 
 
-class RpcError(Exception):
+class RpcError(McpError):
     """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
-
-    def __init__(self, code: int, message: str, data: Any = None):
-        super().__init__(message)
-        self.code, self.message, self.data = code, message, data
 
     def answer(self, request_id: Any) -> dict:
         error = {"code": self.code, "message": self.message}
@@ -99,11 +140,23 @@ def authenticate_mcp(svc: Service, environ: dict) -> Principal:
     return svc.authenticate(environ, mcp=True)
 
 
+def request_session(svc: Service, env: dict) -> McpSession | None:
+    """Return the session a request names (Mcp-Session-Id), None when it names none (or
+    came through a terminating relay, where there are none); 404 for one unknown, dropped,
+    or made by another principal (credentials were checked before)."""
+    sid = env.get("HTTP_MCP_SESSION_ID")
+    if sid is None or terminated_relay(env):
+        return None
+    return mcp_sessions(svc).find(sid.strip(), request_principal())
+
+
 def mcp_endpoint(svc: Service) -> bytes:
     """POST /mcp: one JSON-RPC message in; its answer out, or 202 for a notification."""
     env = bottle.request.environ
     stateless = _stateless_era(env, None)
     request_id = None
+    session = request_session(svc, env)
+    env["notesvc.mcp_session"] = session
     try:
         message = _rpc_message(svc.config.max_body_bytes)
         stateless = _stateless_era(env, message)
@@ -122,8 +175,9 @@ def mcp_endpoint(svc: Service) -> bytes:
         else:
             result = _handshake_request(svc, env, method, params)
         answer, status = {"jsonrpc": "2.0", "id": request_id, "result": result}, 200
-    except RpcError as e:
-        answer, status = e.answer(request_id), e.http_status(stateless)
+    except McpError as e:
+        rpc = e if isinstance(e, RpcError) else RpcError(e.code, e.message, e.data)
+        answer, status = rpc.answer(request_id), rpc.http_status(stateless)
     bottle.response.status = status
     bottle.response.content_type = JSON_TYPE
     return to_json(answer)
@@ -195,18 +249,22 @@ def _handshake_request(svc: Service, env: dict, method: str, params: dict) -> di
     if method == "initialize":  # the client's version when served, else the newest
         asked = params.get("protocolVersion")
         version = asked if asked in MCP_HANDSHAKE_VERSIONS else MCP_HANDSHAKE_VERSIONS[-1]
+        direct = not terminated_relay(env)
+        if direct:  # a session (optional for the client): what subscriptions need
+            session = mcp_sessions(svc).create(request_principal(), version)
+            bottle.response.set_header(SESSION_HEADER, session.id)
         return {
             "protocolVersion": version,
-            "capabilities": {"tools": {"listChanged": False}},
+            "capabilities": capabilities(direct),
             "serverInfo": server_info(),
-            "instructions": MCP_INSTRUCTIONS,
+            "instructions": instructions(svc),
         }
     header = env.get("HTTP_MCP_PROTOCOL_VERSION")
     if header is not None:
         _check_version(header, MCP_HANDSHAKE_VERSIONS)
     if method == "ping":
         return {}
-    return _tools_method(svc, method, params)
+    return _method(svc, method, params, env.get("notesvc.mcp_session"))
 
 
 def _header_text(value: str | None) -> str | None:
@@ -246,38 +304,137 @@ def _stateless_request(svc: Service, env: dict, method: str, params: dict) -> di
     if method == "server/discover":
         result = {
             "supportedVersions": list(MCP_VERSIONS),
-            "capabilities": {"tools": {"listChanged": False}},
-            "instructions": MCP_INSTRUCTIONS,
+            "capabilities": capabilities(False),
+            "instructions": instructions(svc),
             "cacheScope": "private",
             "ttlMs": MCP_LIST_TTL_MS,
         }
     else:
-        result = _tools_method(svc, method, params)
+        result = _method(svc, method, params, None)
     if method == "tools/list":
         result.update(cacheScope="private", ttlMs=MCP_LIST_TTL_MS)
     return {**result, "resultType": "complete", "_meta": {META_SERVER_INFO: server_info()}}
 
 
-def _tools_method(svc: Service, method: str, params: dict) -> dict:
+def _method(svc: Service, method: str, params: dict, session: McpSession | None) -> dict:
+    """Answer a request of either era: tools, resources, prompts."""
     if method == "tools/list":
-        if params.get("cursor") is not None:
-            raise RpcError(INVALID_PARAMS, "unknown cursor: the tool list has a single page")
+        _single_page(params)
         tools = available_tools(svc, svc.config.mcp_write)
-        return {"tools": [mcp_tool(t) for t in tools]}
+        suggest = svc.config.mcp_write == "suggest"
+        return {"tools": [mcp_tool(t, suggest) for t in tools]}
     if method == "tools/call":
         return _tools_call(svc, params.get("name"), params.get("arguments"))
+    if method == "resources/list":
+        return list_resources(svc, params.get("cursor"))
+    if method == "resources/templates/list":
+        _single_page(params)
+        return {"resourceTemplates": RESOURCE_TEMPLATES}
+    if method == "resources/read":
+        uri = params.get("uri")
+        if uri == REVIEW_URI:
+            return {"contents": [review_card()]}
+        return read_resource(svc, uri, _api_base(svc))
+    if method in ("resources/subscribe", "resources/unsubscribe"):
+        return _subscription(svc, method, params.get("uri"), session)
+    if method == "prompts/list":
+        _single_page(params)
+        return list_prompts()
+    if method == "prompts/get":
+        return get_prompt(svc, params.get("name"), params.get("arguments"))
+    if method == "completion/complete":
+        return complete(svc, params.get("ref"), params.get("argument"))
     raise RpcError(METHOD_NOT_FOUND, f"method {method[:64]!r} is not served here")
 
 
-def mcp_tool(tool: Tool) -> dict:
-    """Return a tool as MCP's tools/list describes it."""
+def _single_page(params: dict) -> None:
+    if params.get("cursor") is not None:
+        raise RpcError(INVALID_PARAMS, "unknown cursor: this list has a single page")
+
+
+def _api_base(svc: Service) -> str:
+    env = bottle.request.environ
+    return svc.base_url(env) + env.get("SCRIPT_NAME", "") + API
+
+
+def _subscription(svc: Service, method: str, uri: Any, session: McpSession | None) -> dict:
+    """resources/subscribe and unsubscribe: a note URI of the caller's reach, for the
+    session's stream; -32600 without a session, -32602 for a URI that is not a note's or
+    over the session's cap, -32002 for a note it cannot see."""
+    if session is None:
+        raise RpcError(
+            INVALID_REQUEST,
+            f"subscriptions need a session: send the {SESSION_HEADER} header initialize "
+            "gave (not available through the relay's link), and hold the session's GET "
+            "stream for the notifications",
+        )
+    kind, path, _ = parse_uri(uri)
+    if kind != "note":
+        raise RpcError(INVALID_PARAMS, "subscriptions are to notes (notesvc://note/<path>)")
+    if method == "resources/unsubscribe":
+        mcp_sessions(svc).unsubscribe(session, uri)
+        return {}
+    try:
+        visible_note(svc.notes, path)
+    except ApiError as e:
+        code = RESOURCE_NOT_FOUND if e.status_code in (403, 404) else INVALID_PARAMS
+        raise RpcError(
+            code, "Resource not found" if code < -32600 else e.message, {"uri": uri}
+        ) from None
+    try:
+        mcp_sessions(svc).subscribe(session, uri)
+    except ApiError as e:
+        raise RpcError(INVALID_PARAMS, e.message, {"uri": uri}) from None
+    return {}
+
+
+def review_card() -> dict:
+    """Return the MCP App resource ui://notesvc/review: one self-contained page (no remote
+    loads; the host's CSP asks no domains, the page's own allows only its inline code)."""
     return {
+        "uri": REVIEW_URI,
+        "mimeType": "text/html;profile=mcp-app",
+        "text": REVIEW_HTML,
+        "_meta": {
+            "ui": {
+                "csp": {"connectDomains": [], "resourceDomains": [], "frameDomains": []},
+                "prefersBorder": True,
+            },
+            "contentSecurityPolicy": REVIEW_CSP_META,
+        },
+    }
+
+
+def mcp_tool(tool: Tool, suggest: bool = False) -> dict:
+    """Return a tool as MCP's tools/list describes it (in suggest mode a write tool answers
+    the suggestion it made, which the review card shows)."""
+    described = {
         "name": tool.name,
         "title": tool.annotations()["title"],
         "description": tool.description,
         "inputSchema": tool.schema,
         "annotations": tool.annotations(),
     }
+    output = tool.output
+    writes_here = suggest and not tool.read_only and not tool.app_only
+    if writes_here:
+        output = {"type": "object", "properties": SUGGESTION_OUTPUT, "required": ["suggestion"]}
+        described["description"] += (
+            " Here it makes a suggestion the user accepts or rejects; nothing changes until then."
+        )
+    if output is not None:
+        described["outputSchema"] = output
+    ui: dict = {}
+    if tool.review and (writes_here or tool.read_only):
+        ui["resourceUri"] = REVIEW_URI
+    if tool.app_only:
+        ui["visibility"] = ["app"]
+    if ui:
+        described["_meta"] = {
+            "ui": ui,
+            **({"ui/resourceUri": REVIEW_URI} if "resourceUri" in ui else {}),
+        }
+    return described
 
 
 def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
@@ -300,4 +457,50 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
             why = f"unknown tool {name[:64]!r} (see tools/list)"
         raise RpcError(INVALID_PARAMS, why)
     log.debug("request %s: MCP tool %s", current_request_id(), name)
-    return call_tool(svc, offered[name], arguments or {})
+    suggest = svc.config.mcp_write == "suggest" and not offered[name].app_only
+    connector = connector_of(svc, request_principal()) if suggest else None
+    return call_tool(svc, offered[name], arguments or {}, connector)
+
+
+# -- the GET stream and DELETE ------------------------------------------------------------------
+
+
+def _no_session_here(method: str) -> ApiError:
+    return ApiError(
+        405,
+        "METHOD_NOT_ALLOWED",
+        f"{method} {API}/mcp needs a session ({SESSION_HEADER} from initialize, on a "
+        "direct connection: not through the relay's link); send JSON-RPC with POST",
+        {"Allow": "POST, GET, DELETE"},
+    )
+
+
+def mcp_stream(svc: Service):
+    """GET /mcp with a session: its stream of notifications (text/event-stream)."""
+    env = bottle.request.environ
+    if env.get("REQUEST_METHOD") == "HEAD":  # (Bottle's GET routes take HEAD): no stream
+        raise _no_session_here("HEAD")
+    if env.get("HTTP_MCP_SESSION_ID") is None or terminated_relay(env):
+        raise _no_session_here("GET")
+    session = request_session(svc, env)
+    accept = env.get("HTTP_ACCEPT", "")
+    if "text/event-stream" not in accept and "*/*" not in accept:
+        raise ApiError(
+            406, "NOT_ACCEPTABLE", "the stream is text/event-stream: ask for it in Accept"
+        )
+    body = mcp_sessions(svc).open_stream(session, request_principal(), env)
+    bottle.response.content_type = "text/event-stream"
+    bottle.response.set_header("Cache-Control", "no-store")
+    bottle.response.set_header("X-Accel-Buffering", "no")  # nginx: pass each event at once
+    bottle.response.set_header(SESSION_HEADER, session.id)
+    return body
+
+
+def mcp_end_session(svc: Service):
+    """DELETE /mcp with a session: end it (204); without one 405."""
+    env = bottle.request.environ
+    if env.get("HTTP_MCP_SESSION_ID") is None or terminated_relay(env):
+        raise _no_session_here("DELETE")
+    mcp_sessions(svc).end(request_session(svc, env))
+    bottle.response.status = 204
+    return b""

@@ -1,12 +1,11 @@
-"""The route table and OpenAPI."""
+"""The route table (its OpenAPI document: http/openapi.py)."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
 
-from notesvc.boot import KEY_HEADER, __version__, bottle
-from notesvc.errors import ERROR_CODES, JSON_TYPE, to_json
+from notesvc.boot import bottle
 from notesvc.grants import SCOPES
 from notesvc.helpers import NOT_BLANK_PATTERN
 from notesvc.http.access import (
@@ -35,6 +34,7 @@ from notesvc.http.access import (
 from notesvc.http.api import (
     MAX_SEQ,
     MAX_WAIT_SECONDS,
+    accept_suggestion_route,
     agent_chat,
     agent_status,
     create_note,
@@ -57,6 +57,7 @@ from notesvc.http.api import (
     list_attachments,
     list_changes,
     list_notes,
+    list_suggestions,
     list_trash,
     list_versions,
     merge_note,
@@ -66,6 +67,7 @@ from notesvc.http.api import (
     post_attachment,
     purge_trash_item,
     put_attachment,
+    reject_suggestion_route,
     restore_trash_item,
     restore_version,
     rotate_api_key,
@@ -102,7 +104,8 @@ from notesvc.http.integrations import (
     unlink_channel,
     verify_webhook,
 )
-from notesvc.http.mcp import mcp_endpoint
+from notesvc.http.mcp import mcp_end_session, mcp_endpoint, mcp_stream
+from notesvc.http.openapi import get_openapi
 from notesvc.http.people import (
     add_person,
     create_person_pairing,
@@ -127,7 +130,6 @@ from notesvc.notes.paths import (
     NOTE_PATH_SCHEMA,
 )
 from notesvc.notes.trash import TRASH_ID_RE
-from notesvc.oauth import OAUTH_SCOPES
 from notesvc.providers.base import MAX_MESSAGE_CHARS
 from notesvc.providers.channels import MAX_CONFIG_CHARS, ChannelProvider, ConfigField
 from notesvc.search.text import MAX_QUERY_CHARS
@@ -161,11 +163,6 @@ def share_target_without_worker(svc: Service) -> bytes:
     return b""
 
 
-def get_openapi(svc: Service):
-    bottle.response.content_type = JSON_TYPE
-    return to_json(openapi_document(svc, svc.base_url(bottle.request.environ)))
-
-
 def _obj(required: Iterable[str] = (), **props: dict) -> dict:
     return {"type": "object", "required": list(required), "properties": props}
 
@@ -188,6 +185,12 @@ _VERSION_ID = {
     "description": "from .../versions",
 }
 _TRASH_ID = {"type": "string", "pattern": json_pattern(TRASH_ID_RE), "description": "from /trash"}
+_SUGGESTION_ID = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 64,
+    "description": "from /suggestions",
+}
 
 
 def _int(lo: int, hi: int, default: int) -> dict:
@@ -528,6 +531,30 @@ ROUTES = (
     ),
     Route(
         "GET",
+        "/mcp",
+        mcp_stream,
+        summary="MCP: a session's stream of notifications (Server-Sent Events; needs "
+        "Mcp-Session-Id from initialize and Accept: text/event-stream; 405 without a "
+        "session or through the relay's link, 429 over the cap of open streams)",
+        tag="mcp",
+        media="text/event-stream",
+        enveloped=False,
+        jsonrpc=True,
+        scope="read",
+    ),
+    Route(
+        "DELETE",
+        "/mcp",
+        mcp_end_session,
+        summary="MCP: end a session (Mcp-Session-Id); 405 without one",
+        status=204,
+        tag="mcp",
+        enveloped=False,
+        jsonrpc=True,
+        scope="read",
+    ),
+    Route(
+        "GET",
         "/attachments",
         list_attachments,
         summary="List attachments by path",
@@ -850,6 +877,36 @@ ROUTES = (
         params={"item_id": _TRASH_ID},
         tag="trash",
         scope="admin",  # purging for good: the owner's alone
+    ),
+    Route(
+        "GET",
+        "/suggestions",
+        list_suggestions,
+        summary="An assistant's suggested edits waiting for approval (SERVICE_MCP_WRITE or "
+        "SERVICE_AGENT_WRITE=suggest), newest first, in the caller's reach",
+        params={"limit": _int(1, 200, 50), "offset": _int(0, 10**6, 0)},
+        tag="suggestions",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/suggestions/<suggestion_id>/accept",
+        accept_suggestion_route,
+        summary="Apply a suggestion: an edit merged three ways with what changed since (409 "
+        "CONFLICT with conflictPath: kept as a conflict copy, closed); a move or delete only "
+        "while the note is its base (else 409, still open); 404 when not open",
+        params={"suggestion_id": _SUGGESTION_ID},
+        tag="suggestions",
+        scope="write",
+    ),
+    Route(
+        "POST",
+        "/suggestions/<suggestion_id>/reject",
+        reject_suggestion_route,
+        summary="Close a suggestion without applying it; 404 when not open",
+        params={"suggestion_id": _SUGGESTION_ID},
+        tag="suggestions",
+        scope="write",
     ),
     Route(
         "GET",
@@ -1375,140 +1432,3 @@ def channel_routes(providers: Mapping[str, ChannelProvider]) -> tuple:
             )
         )
     return tuple(routes)
-
-
-def openapi_path(rule: str) -> str:
-    """Return a Bottle rule as an OpenAPI path: <name> and <name:path> become {name}."""
-    return re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", rule)
-
-
-_SEGMENT = {"type": "string", "minLength": 1}  # a path parameter without its own schema
-
-
-def openapi_document(svc: Service, server_url: str) -> dict:
-    """Return the OpenAPI 3.1 document of every /api/v1 route in the table."""
-    envelope_ok = _obj(["success", "data"], success={"const": True}, data={"type": "object"})
-    envelope_err = _obj(
-        ["success", "error"],
-        success={"const": False},
-        error=_obj(["code", "message"], code={"enum": list(ERROR_CODES)}, message=_STR),
-    )
-    paths: dict = {}
-    for r in svc.routes:
-        if not r.api:
-            continue
-        success = (
-            _json_content("Success")
-            if r.enveloped
-            else {r.media: {"schema": {"type": "object" if "json" in r.media else "string"}}}
-        )
-        op: dict = {
-            "operationId": r.handler.__name__,
-            "summary": r.summary or r.handler.__name__.replace("_", " "),
-            "tags": [r.tag],
-            "responses": {
-                **{
-                    str(code): {"description": "success", "content": success}
-                    for code in sorted({200, r.status})
-                },
-                "default": {
-                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 410, "
-                    "412, 413, 415, 429, 500, 502, 503, 504 or 507",
-                    "content": _json_content("Error"),
-                },
-            },
-        }
-        if r.jsonrpc:
-            answer = {"application/json": {"schema": {"type": "object"}}}
-            op["responses"] = {
-                "200": {"description": "the JSON-RPC answer", "content": answer},
-                "202": {"description": "a notification (or response), accepted"},
-                "default": {"description": "a JSON-RPC error object", "content": answer},
-            }
-            op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
-            op["security"].append({"mcpOAuth": [OAUTH_SCOPES[0]]})  # docs/api.md: Let others in
-        if r.public:
-            op["security"] = []
-        elif r.key_only:
-            op["security"] = [{"apiKey": []}]
-        if not r.public:
-            op["x-scope"] = r.scope
-        schemas = r.params or {}  # a name of the rule's is a path parameter, others query
-        in_path = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
-        params = [
-            {"name": p, "in": "path", "required": True, "schema": schemas.get(p, _SEGMENT)}
-            for p in in_path
-        ]
-        params += [
-            {"name": n, "in": "query", "required": n == "q", "schema": schema}
-            for n, schema in schemas.items()
-            if n not in in_path
-        ]
-        if params:
-            op["parameters"] = params
-        body = r.body(svc) if callable(r.body) else r.body  # built per app and document
-        if body is not None:
-            op["requestBody"] = {
-                "required": bool(
-                    body.get("required") or body.get("oneOf") or body.get("minProperties")
-                ),
-                "content": {r.body_media: {"schema": body}},
-            }
-        paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
-    return {
-        "openapi": "3.1.0",
-        "info": {
-            "title": "notesvc",
-            "version": __version__,
-            "description": "A self-hosted notes server. Every answer is the envelope "
-            '{"success": true, "data": {...}} or {"success": false, "error": {code, message}}; '
-            "note paths in URLs are percent-encoded with / as %2F.",
-        },
-        "servers": [{"url": server_url}],
-        "paths": paths,
-        "components": {
-            "schemas": {"Success": envelope_ok, "Error": envelope_err},
-            "securitySchemes": {
-                "apiKey": {
-                    "type": "apiKey",
-                    "in": "header",
-                    "name": KEY_HEADER,
-                    "description": "the API key (admin), or a scoped key (nsg_...) holding "
-                    "the scope an operation's x-scope names (also as Authorization: Bearer)",
-                },
-                "mcpOAuth": {
-                    "type": "oauth2",
-                    "description": "OAuth 2.1 for MCP clients (PKCE S256, RFC 8707 resource); "
-                    "tokens are good for /api/v1/mcp only",
-                    "flows": {
-                        "authorizationCode": {
-                            "authorizationUrl": f"{server_url}/oauth/authorize",
-                            "tokenUrl": f"{server_url}/oauth/token",
-                            "refreshUrl": f"{server_url}/oauth/token",
-                            "scopes": {
-                                "notes:read": "read and search notes",
-                                "notes:write": "create and change notes (SERVICE_MCP_WRITE)",
-                            },
-                        }
-                    },
-                },
-                "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
-                "bearerKey": {
-                    "type": "http",
-                    "scheme": "bearer",
-                    "description": "the API key as a bearer token (/mcp only)",
-                },
-                "xApiKey": {
-                    "type": "apiKey",
-                    "in": "header",
-                    "name": "X-API-Key",
-                    "description": "the API key (/mcp only)",
-                },
-            },
-        },
-        "security": [{"apiKey": []}, {"bearerJwt": []}],
-    }
-
-
-def _json_content(schema: str) -> dict:
-    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}

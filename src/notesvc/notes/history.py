@@ -37,6 +37,7 @@ VERSION_REASONS = (
     "merged",
     "dav",
     "caldav",
+    "suggestion",
 )
 VERSION_ID_RE = re.compile(r"^([0-9]{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
 

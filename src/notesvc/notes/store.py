@@ -717,23 +717,35 @@ class NoteStore(FileTree):
         return None
 
     def merge(
-        self, path: str, base: str, content: str, conflict_name: str, sees: Callable | None = None
+        self,
+        path: str,
+        base: str,
+        content: str,
+        conflict_name: str,
+        sees: Callable | None = None,
+        reason: str = "",
+        base_text: str | None = None,
     ) -> dict:
         """Write an edit that started from the version `base` (an ETag): as it is when the
         note is still that version; else merged line-wise three ways with what changed
         since (one atomic write, `merged` in history). When the changes overlap, or `base`
         is unknown (or, with `sees`, a version saved where a folder grant cannot read), the
         note stays as it is and the edit is kept beside it as a conflict copy: 409 with its
-        path. Returns {note, merged}."""
+        path. `reason`: history's reason for either write (a suggestion's); `base_text`:
+        the content `base` names, when the caller kept it. Returns {note, merged}."""
         self.encode(content)  # too large, not text: refused before anything
         for _ in range(5):  # another write may land in between: merge with that one
             raw, st = self._read(path)
             if make_etag(raw) == base:
                 with contextlib.suppress(PreconditionFailed):
-                    return {"note": self.update(path, content, base), "merged": False}
+                    note = self.update(path, content, base, reason=reason or "updated")
+                    return {"note": note, "merged": False}
                 continue
             current = self.decode(path, raw)
-            old = self.version_with(path, base, sees)
+            if base_text is not None and make_etag(base_text.encode("utf-8")) == base:
+                old = base_text.encode("utf-8")
+            else:
+                old = self.version_with(path, base, sees)
             if old is None and current == content:  # nothing to keep apart: already so
                 return {"note": self.record(path, raw, st), "merged": False}
             merged, clash = (
@@ -742,7 +754,7 @@ class NoteStore(FileTree):
             if clash:
                 break
             with contextlib.suppress(PreconditionFailed):
-                rec = self.update(path, merged, make_etag(raw), reason="merged")
+                rec = self.update(path, merged, make_etag(raw), reason=reason or "merged")
                 return {"note": rec, "merged": True}
         copy = self.create_beside(path, conflict_name, content, conflict=True)
         err = ApiError(

@@ -581,14 +581,39 @@ class ChangeJournal:
             finally:
                 self._waiting[pool] -= 1
 
+    def take_slot(self, pool: str, cap: int) -> bool:
+        """Hold one of `pool`'s `cap` waiting places for a follower that stays (an MCP
+        session's stream): False when they are all taken. give_slot() gives it back."""
+        with self._cond:
+            if self._waiting[pool] >= cap:
+                return False
+            self._waiting[pool] += 1
+            return True
+
+    def give_slot(self, pool: str) -> None:
+        with self._cond:
+            self._waiting[pool] -= 1
+
+    def wait_past(self, since: int, timeout: float, stop: Callable = lambda: False) -> bool:
+        """Wait up to timeout s for a change after `since` (or stop(), or the server
+        stopping), a place already held (take_slot); return whether a change came."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.last > since or self._closed or stop(), timeout)
+            return self.last > since
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def nudges(self) -> int:
         """Return how many times who sees what changed (wait_after's `nudges`)."""
         with self._cond:
             return self._nudges
 
     def nudge(self) -> None:
-        """Wake the waiting feeds to look at their principal again: a share ended, a key
-        was revoked (what a feed shows is cut at once, a waiting one too)."""
+        """Wake the waiting feeds and MCP streams to look at their principal again (a share
+        ended, a key was revoked: what a feed shows is cut at once, a waiting one too) and a
+        stream at its stop() (replaced, its session ended)."""
         with self._cond:
             self._nudges += 1
             self._cond.notify_all()

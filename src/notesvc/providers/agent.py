@@ -96,6 +96,8 @@ WRITE_PROMPT = (
     "Change notes only when the user asks you to; read a note first and pass the etag you "
     "read to update_note or move_note."
 )
+# who the agent's suggestions come from (SERVICE_AGENT_WRITE=suggest): their connector
+AGENT_CONNECTOR = {"id": "agent", "name": "Agent"}
 MAX_TOOL_CALLS_PER_STEP = 8  # run of one model answer; the others are answered "skipped"
 MAX_TOOL_TEXT = 16000  # characters of one tool result a model is given
 
@@ -149,7 +151,7 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
     """
     cfg = svc.config
     url, headers = agent_endpoint(cfg.agent_base_url, "/chat/completions", cfg.agent_api_key)
-    tools = [t for t in available_tools(svc, cfg.agent_write) if not t.alias_of]
+    tools = [t for t in available_tools(svc, cfg.agent_write) if not t.alias_of and not t.app_only]
     specs = [openai_tool(t) for t in tools]
     prompt = SYSTEM_PROMPT + (f" {TOOLS_PROMPT}" if specs else "")
     prompt += f" {WRITE_PROMPT}" if any(not t.read_only for t in tools) else ""
@@ -252,7 +254,8 @@ def run_tool_call(svc: Service, tools: list, call: Any, touched: list) -> dict:
         except ValueError:
             result = tool_error("VALIDATION_ERROR", "the arguments are not valid JSON")
         else:
-            result = call_tool(svc, offered[name], arguments)
+            suggest = AGENT_CONNECTOR if svc.config.agent_write == "suggest" else None
+            result = call_tool(svc, offered[name], arguments, suggest)
             path = result["structuredContent"].get("path")
             if not result["isError"] and isinstance(path, str) and path not in touched:
                 touched.append(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import re
@@ -415,6 +416,10 @@ class Tool:
     plugin: str = ""  # offered only while this plugin is on ("": always)
     text: Callable | None = None  # structured result -> the text a model reads (default JSON)
     alias_of: str = ""  # the same service under a name some client expects (MCP only)
+    output: dict | None = None  # JSON Schema of the structured result (MCP's outputSchema)
+    app_only: bool = False  # for MCP Apps only (the review card's): offered in suggest mode,
+    # hidden from the model (`_meta.ui.visibility: ["app"]`), never to the agent
+    review: bool = False  # its result shows in the review card (`_meta.ui.resourceUri`)
 
     def annotations(self) -> dict:
         """Return MCP's annotations of the tool (hints for clients, never enforced by them)."""
@@ -443,8 +448,12 @@ def tool(
     plugin: str = "",
     text: Callable | None = None,
     alias_of: str = "",
+    output: dict | None = None,
+    app_only: bool = False,
+    review: bool = False,
 ) -> Callable:
-    """Register a tool function under name; `properties` are its arguments' JSON Schemas."""
+    """Register a tool function under name; `properties` are its arguments' JSON Schemas,
+    `output` the JSON Schema's properties of its structured result."""
     if not TOOL_NAME_RE.match(name):
         raise ValueError(f"tool name {name!r} is not 1-64 of A-Z a-z 0-9 _ -")
     schema = {
@@ -467,22 +476,28 @@ def tool(
             plugin,
             text,
             alias_of,
+            {"type": "object", "properties": dict(output)} if output is not None else None,
+            app_only,
+            review,
         )
         return fn
 
     return register
 
 
-def available_tools(svc: Service, writes: bool) -> list:
-    """Return the tools this app offers: read-only ones, write ones when `writes` and the
-    request's grant may write, each only while its plugin is on. A folder grant gets the
-    built-in tools only: they keep it in its folder, a plugin's tool may not."""
+def available_tools(svc: Service, writes: bool | str) -> list:
+    """Return the tools this app offers: read-only ones, write ones when `writes` (True or
+    "suggest") and the request's grant may write, each only while its plugin is on; the
+    review card's own tools in "suggest" mode only. A folder grant gets the built-in tools
+    only: they keep it in its folder, a plugin's tool may not."""
     who = request_principal()
-    writes = writes and who.allows("write")
+    suggest = writes == "suggest"
+    writes = bool(writes) and who.allows("write")
     return [
         t
         for t in svc.tools.values()
         if (writes or t.read_only)
+        and (suggest or not t.app_only)
         and (not t.plugin or svc.plugin_enabled(t.plugin))
         and (who.whole or TOOLS.get(t.name) is t)
     ]
@@ -549,14 +564,20 @@ def tool_error(code: str, message: str) -> dict:
     }
 
 
-def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
+# While a tool runs for a caller in `suggest` mode (SERVICE_MCP_WRITE or SERVICE_AGENT_WRITE),
+# this holds the connector {id, name} the write tools make suggestions for (else None).
+SUGGESTING: contextvars.ContextVar = contextvars.ContextVar("notesvc_suggesting", default=None)
+
+
+def call_tool(svc: Service, tool: Tool, arguments: Any, suggest: dict | None = None) -> dict:
     """Return the result of one tool call as MCP's CallToolResult {content, structuredContent,
-    isError}.
+    isError}; `suggest`: the connector whose write tools make suggestions instead.
 
     Whatever a model can recover from (bad arguments, a missing note, a stale etag) is an
     isError result whose text says what to do; a bug is logged and answered with its request
     id only. Nothing raises.
     """
+    token = SUGGESTING.set(suggest)
     try:
         data = tool.run(svc, **checked_arguments(tool.schema, arguments))
     except ApiError as e:
@@ -565,6 +586,8 @@ def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
         rid = current_request_id()
         log.exception("request %s: tool %s failed", rid, tool.name)
         return tool_error("INTERNAL_ERROR", f"internal error; request id {rid}")
+    finally:
+        SUGGESTING.reset(token)
     text = tool.text(data) if tool.text else to_json(data).decode("utf-8")
     return {
         "content": [{"type": "text", "text": text}],
