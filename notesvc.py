@@ -4765,9 +4765,9 @@ class ChangeJournal:
             picked = [entries[bisect.bisect_left(seqs, n)] for n in numbers]
         out = []
         for e in picked[:limit]:
-            inside = e[2].startswith(below) or e[2] in exact
+            seen_here = e[2].startswith(below) or e[2] in exact
             was = e[1] == "moved" and (e[3].startswith(below) or e[3] in exact)
-            out.append(record(e, inside, was))
+            out.append(record(e, seen_here, was))
         more = len(picked) > limit
         return {"changes": out, "last": out[-1]["seq"] if out else since, "more": more}
 
