@@ -122,6 +122,35 @@ class TestHtmlToMarkdown:
             page = opening * 10_000 + "deep text" + "</div>" * 10
             assert "deep text" in md(page)
 
+    @pytest.mark.parametrize(
+        "unit",
+        ["<a", "<!", '<a "', "<div>x", "<b>x", "<a href=//a.b>x", "<ul><li>x", "x<br>"],
+    )
+    def test_a_page_of_one_hostile_shape_costs_what_a_plain_page_does(self, unit):
+        # Unterminated tags were searched again from every later "<", and each open element
+        # copied all it held when it closed: 400 KB of "<a" took half an hour, of "<div>x"
+        # minutes. Now they cost the same order as plain text of the same size.
+        import time
+
+        size = 400_000
+        plain = "<p>" + "word " * (size // 5) + "</p>"
+        start = time.perf_counter()
+        md(plain)
+        reference = time.perf_counter() - start
+        page = "<blockquote>" * 40 + unit * (size // len(unit))
+        start = time.perf_counter()
+        out = md(page)
+        took = time.perf_counter() - start
+        assert took < 40 * reference + 1.0, (unit, took, reference)
+        if "x" in unit:
+            assert out.count("x") >= size // len(unit)  # text deeper than MAX_DEPTH is kept
+
+    def test_text_nested_deeper_than_the_limit_is_kept_as_lines(self):
+        page = "<div>" * 500 + "<p>one</p><p>two</p>" + "</div>" * 500 + "<p>after</p>"
+        out = md(page)
+        assert out.index("one") < out.index("two") < out.index("after")
+        assert "one  \ntwo" in out or "one\n\ntwo" in out
+
     def test_broken_markup_still_gives_its_text(self):
         page = "<p>open <b>bold <i>both</p><p>next</b> after</i><div><p>x</span></li></ul>"
         out = md(page)
@@ -246,6 +275,14 @@ class TestClip:
         big = "<p>" + "x" * (5 * 1024 * 1024) + "</p>"
         resp = client.post_json(CLIP, {"url": "https://e.x/", "html": big}, status=413)
         assert_error(resp, 413, "PAYLOAD_TOO_LARGE")
+
+    def test_a_page_whose_markdown_would_be_too_large_is_413_and_keeps_no_image(self, client, root):
+        # 16 quotes deep, each line of "x<br>" becomes 36 bytes: 5 MB of page, 37 MB of note
+        page = '<img src="https://e.x/i.png">' + "<blockquote>" * 20 + "x<br>" * 1_000_000
+        body = {"url": "https://e.x/deep", "html": page, "images": [image("https://e.x/i.png")]}
+        resp = client.post_json(CLIP, body, status=413)
+        assert_error(resp, 413, "PAYLOAD_TOO_LARGE")
+        assert not list((root / "attachments").rglob("i*.png"))
 
     def test_a_body_over_the_attachment_limit_is_413_before_it_is_read(self, make_app):
         small = with_key(make_app(SERVICE_MAX_ATTACHMENT_BYTES="100000"))

@@ -34,9 +34,14 @@ from notesvc.service import Service
 # -- HTML to Markdown ------------------------------------------------------------------------
 
 MAX_CLIP_HTML_BYTES = 5 << 20  # the page's HTML (the contract's "Capture limits")
+MAX_CLIP_MARKDOWN_BYTES = 2 * MAX_CLIP_HTML_BYTES  # what a page may become (deep quotes)
 MAX_CLIP_IMAGE_BYTES = 10_000_000  # each image (and at most SERVICE_MAX_ATTACHMENT_BYTES)
 MAX_CLIP_IMAGES = 200
-MAX_NESTING = 64  # deeper lists and quotes are drawn at this depth (10,000 nested elements)
+MAX_NESTING = 16  # deeper lists and quotes are drawn at this depth (10,000 nested elements)
+# Elements opened deeper than this are read as their text alone (a block there ends the
+# paragraph): each open element costs its close a copy of what it holds, so 700,000 nested
+# <div>s or <b>s in a 5 MB page would be quadratic.
+MAX_DEPTH = 100
 
 # Elements whose whole content goes: what runs, what styles, what asks for input, what
 # draws (an SVG can hold scripts), what another document fills.
@@ -129,9 +134,11 @@ class _Frame:
 # The page read as tags and text by regular expressions (C loops): html.parser's own
 # tokenizer took 180 ms for 1 MB of dense markup before any Markdown was written. The
 # content of a raw-text element (a script, a style) is skipped to its end tag, as browsers do.
+# A tag left open runs to the end of the page (as a browser's tokenizer drops it): a match
+# that could fail would be tried again from every later "<", quadratic on "<a<a<a...".
 _HTML_TAG_RE = re.compile(
-    r"<(/?)([A-Za-z][A-Za-z0-9:-]*)((?:[^>\"']|\"[^\"]*\"|'[^']*')*)>"
-    r"|<!--.*?(?:-->|\Z)|<!\[CDATA\[.*?(?:\]\]>|\Z)|<![^>]*>|<\?[^>]*>",
+    r"<(/?)([A-Za-z][A-Za-z0-9:-]*)((?:[^>\"']|\"[^\"]*(?:\"|\Z)|'[^']*(?:'|\Z))*)(?:>|\Z)"
+    r"|<!--.*?(?:-->|\Z)|<!\[CDATA\[.*?(?:\]\]>|\Z)|<![^>]*(?:>|\Z)|<\?[^>]*(?:>|\Z)",
     re.DOTALL,
 )
 RAW_TEXT = frozenset(
@@ -235,6 +242,10 @@ class _Converter:
         if tag in DROPPED or (tag in OUTSIDE_ARTICLE and not self.articles) or hidden:
             self.dropping = len(self.open_tags)
             return
+        if len(self.open_tags) > MAX_DEPTH:  # read as its text alone (MAX_DEPTH)
+            if tag in BLOCKS or tag in ("td", "th"):
+                self.stack[-1].inline.append(BREAK)
+            return
         if tag in BLOCKS or tag in ("td", "th"):
             self._open_block(tag, attrs_d)
         elif tag == "a":
@@ -256,7 +267,7 @@ class _Converter:
             if self.dropping:
                 if len(self.open_tags) + 1 == self.dropping:
                     self.dropping = 0
-            else:
+            elif len(self.open_tags) < MAX_DEPTH:  # one opened deeper was never a frame
                 self._close(top)
             if top == tag:
                 break
@@ -316,13 +327,12 @@ class _Converter:
                 parent.blocks.append(f"{fence}\n{text}\n{fence}")
             return
         text = self._inline_text(frame)
-        body = [b[1] if isinstance(b, tuple) else b for b in frame.blocks] + (
-            [text] if text else []
-        )
+        if text:
+            frame.blocks.append(text)
         if tag in ("ul", "ol", "blockquote"):
             self.nesting -= 1
         if tag in ("td", "th"):
-            cell = " ".join(" ".join(body).split())
+            cell = " ".join(" ".join(_texts(frame.blocks)).split())
             if self.rows:
                 self.rows[-1].data.append(cell)
             elif cell:
@@ -333,34 +343,37 @@ class _Converter:
                 self.tables[-1].data.append(frame.data)
         elif tag == "table":
             self.tables.pop()
-            self._table(parent, frame.data, body)
+            self._table(parent, frame.data, _texts(frame.blocks))
         elif tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
-            line = " ".join(" ".join(body).split())
+            line = " ".join(" ".join(_texts(frame.blocks)).split())
             if line:
                 parent.blocks.append("#" * int(tag[1]) + " " + line)
         elif tag == "hr":
             parent.blocks.append("---")
-        elif tag == "li" and self.nesting <= MAX_NESTING and body:
+        elif tag == "li" and self.nesting <= MAX_NESTING and frame.blocks:
             marker = "- "
             if parent.tag == "ol" and isinstance(parent.data, int):
                 marker = f"{parent.data}. "
                 parent.data += 1
-            lines = "\n".join(body).split("\n")
-            pad = " " * len(marker)
-            rest = "".join("\n" + (pad + ln if ln else ln) for ln in lines[1:])
-            parent.blocks.append(("li", marker + lines[0] + rest))
-        elif tag in ("ul", "ol") and body:
-            items = [b[1] if isinstance(b, tuple) else b for b in frame.blocks]
-            parent.blocks.append("\n".join(items + ([text] if text else [])))
-        elif tag == "blockquote" and self.nesting < MAX_NESTING and body:
-            inner = "\n\n".join(body)
-            parent.blocks.append("\n".join("> " + ln if ln else ">" for ln in inner.split("\n")))
+            first, _, rest = "\n".join(_texts(frame.blocks)).partition("\n")
+            rest = _prefix_lines(rest, " " * len(marker), "")
+            parent.blocks.append(("li", marker + first + ("\n" + rest if rest else "")))
+        elif tag in ("ul", "ol") and self.nesting < MAX_NESTING and frame.blocks:
+            parent.blocks.append("\n".join(_texts(frame.blocks)))
+        elif tag == "blockquote" and self.nesting < MAX_NESTING and frame.blocks:
+            inner = "\n\n".join(_texts(frame.blocks))
+            parent.blocks.append(_prefix_lines(inner, "> ", ">"))
+        elif tag in ("article", "main") and self.articles == 1:
+            self.articles = 0
+            self.article_blocks.extend(_texts(frame.blocks))
+            parent.blocks.extend(frame.blocks)
+            return
+        elif parent.blocks:  # a block that is only its content (a <div>): handed on whole
+            parent.blocks.extend(frame.blocks)
         else:
-            parent.blocks.extend(body)
+            parent.blocks = frame.blocks
         if tag in ("article", "main"):
             self.articles -= 1
-            if not self.articles:
-                self.article_blocks.extend(body)
 
     def _table(self, parent: _Frame, rows: list, other: list) -> None:
         cells = [r for r in rows if any(r)]
@@ -443,6 +456,27 @@ class _Converter:
         if len(article) >= 200:
             return article
         return "\n\n".join(b[1] if isinstance(b, tuple) else b for b in self.stack[0].blocks)
+
+
+def _prefix_lines(text: str, prefix: str, empty: str) -> str:
+    """Return text with prefix before each line, an empty line given `empty` instead (by
+    str.replace: a page's million lines in one quote cost no Python loop per line)."""
+    if not text:
+        return text
+    out = prefix + text.replace("\n", "\n" + prefix)
+    blank = "\n" + prefix + "\n"
+    while blank in out:
+        out = out.replace(blank, "\n" + empty + "\n")
+    if out.startswith(prefix + "\n"):
+        out = empty + out[len(prefix) :]
+    if out.endswith("\n" + prefix):
+        out = out[: -len(prefix)] + empty
+    return out
+
+
+def _texts(blocks: list) -> list:
+    """Return blocks as text (a list item's tuple as its Markdown)."""
+    return [b[1] if isinstance(b, tuple) else b for b in blocks]
 
 
 def _lead_escaped(m: re.Match) -> str:
@@ -622,7 +656,7 @@ def save_clip(svc: Service, principal: Principal, body: dict) -> tuple:
     local = local_time(now, time_zone(svc.config.timezone))
     image_dir = f"{attachments_twin(folder)}/{local:%Y-%m-%d}"
     note_dir = folder
-    links, stored = {}, 0
+    links, stored, placed = {}, 0, []
     source = selection if selection else page
     for src, raw, ext in decoded:
         if src in links or src not in source:
@@ -635,11 +669,21 @@ def save_clip(svc: Service, principal: Principal, body: dict) -> tuple:
             f.write(data)
 
         rec, _ = svc.attachments.place(svc.attachments.spool(write), path, unique=True)
+        placed.append(rec)
         links[src] = urllib.parse.quote(posixpath.relpath(rec["path"], note_dir), safe="/")
         stored += 1
     for src, path in uploaded.items():
         links[src] = urllib.parse.quote(posixpath.relpath(path, note_dir), safe="/")
     md, page_title, remote = html_to_markdown(source, url, links)
+    if len(md) > MAX_CLIP_MARKDOWN_BYTES:
+        for rec in placed:  # the clip is refused: its images go with it
+            svc.attachments.discard_created(rec["path"], rec["etag"])
+        raise ApiError(
+            413,
+            "PAYLOAD_TOO_LARGE",
+            f"the page's Markdown is over {MAX_CLIP_MARKDOWN_BYTES} bytes (its quotes and "
+            "lists nest too deep to draw)",
+        )
     title = " ".join((title or page_title or url).split())[:300]
     head = (
         f"---\nsource: {front_matter_value(url)}\nclipped: {iso(now)}\n---\n\n"
