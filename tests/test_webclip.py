@@ -232,6 +232,34 @@ class TestClip:
         assert hers["updated"] is False
         assert "owner's clip" in client.get(note_url(owners["path"])).json["data"]["content"]
 
+    def test_the_owners_clip_never_lands_in_a_note_someone_else_reads(self, client, anon):
+        # Ann (or a folder key's holder) plants a note with the URL the owner will clip
+        # from their signed-in browser: the owner may write it, but updating it would hand
+        # the page to whoever reads that note. A new note is made instead.
+        _ann, as_ann = device_of(client, anon, "Ann")
+        url = "https://bank.example/statement"
+        planted = clip(as_ann, url=url, html="<p>planted</p>")
+        assert clip(as_ann, url=url, html="<p>hers again</p>")["updated"] is True
+        made = data(
+            client.post_json(
+                f"{API}/auth/keys", {"name": "app", "scope": "write", "folder": "notes/app"}
+            )
+        )
+        app = with_key(anon, made["key"])
+        in_app = clip(app, url=url, html="<p>the app's</p>")
+        assert in_app["path"].startswith("notes/app/")
+        owners = clip(client, url=url, html="<p>owner's secret statement</p>")
+        assert owners["updated"] is False
+        assert owners["path"] not in (planted["path"], in_app["path"])
+        for path in (planted["path"], in_app["path"]):
+            text = client.get(note_url(path)).json["data"]["content"]
+            assert "secret statement" not in text
+        again = clip(client, url=url, html="<p>owner's second look</p>")
+        assert (again["path"], again["updated"]) == (owners["path"], True)
+        # asked for the shared place itself, the clip updates the note there
+        there = clip(client, url=url, html="<p>for the app</p>", folder="notes/app")
+        assert (there["path"], there["updated"]) == (in_app["path"], True)
+
     def test_a_read_key_may_not_clip(self, client):
         key = data(client.post_json(f"{API}/auth/keys", {"name": "r", "scope": "read"}))["key"]
         reader = with_key(client, key)

@@ -24,7 +24,14 @@ import urllib.parse
 from typing import Any
 
 from notesvc.errors import ApiError, bad_request
-from notesvc.grants import Principal, attachments_twin, visible_attachment, writable_folder
+from notesvc.grants import (
+    Principal,
+    attachments_twin,
+    inside,
+    person_reach,
+    visible_attachment,
+    writable_folder,
+)
 from notesvc.helpers import field, iso, local_time, time_zone
 from notesvc.notes.merge import title_filename
 from notesvc.notes.paths import NOTES, attachment_path
@@ -556,13 +563,37 @@ def clip_sources(svc: Service) -> dict:
     return derived_per_note(svc, "clip sources", take, lambda _paths, taken: taken)
 
 
-def clip_note_of(svc: Service, url: str, principal: Principal) -> str | None:
-    """Return the note already clipped from url that the principal may write (the
-    newest path first by name), None when there is none it may write."""
-    found = sorted(p for p, src in clip_sources(svc).items() if src == url)
+def readers_of(svc: Service, path: str) -> frozenset:
+    """Return who besides the owner reads a note or folder at path: each person whose reach
+    holds it, each folder grant over it."""
+    data = svc.state.read()
+    people = {
+        ("person", p["id"])
+        for p in data.get("people", [])
+        if person_reach(data, p["id"]).sees(path)
+    }
+    grants = {
+        ("grant", g["id"])
+        for g in data.get("grants", [])
+        if g.get("folder") and inside(path, g["folder"])
+    }
+    return frozenset(people | grants)
+
+
+def clip_note_of(svc: Service, url: str, principal: Principal, folder: str) -> str | None:
+    """Return the note already clipped from url that the principal may write and that no
+    one reads who would not read a new clip in `folder` (a note planted with the URL in a
+    shared place never receives the page), those in `folder` first, then by name; None
+    when there is none."""
+    found = [p for p, src in clip_sources(svc).items() if src == url]
+    found.sort(key=lambda p: (not inside(p, folder), p))  # in the folder asked for first
+    readers = None
     for path in found:
         if (principal.whole or principal.may_write(path)) and svc.notes.exists(path):
-            return path
+            if readers is None:
+                readers = readers_of(svc, folder)
+            if readers_of(svc, path) <= readers:
+                return path
     return None
 
 
@@ -647,11 +678,10 @@ def save_clip(svc: Service, principal: Principal, body: dict) -> tuple:
             uploaded[src] = path
             continue
         decoded.append(decode_image(item, i, limit))
-    existing = None if new else clip_note_of(svc, url, principal)
+    folder = clip_folder(svc, principal, field(body, "folder", required=False))
+    existing = None if new else clip_note_of(svc, url, principal, folder)
     if existing is not None:
         folder = existing.rsplit("/", 1)[0]
-    else:
-        folder = clip_folder(svc, principal, field(body, "folder", required=False))
     now = time.time()
     local = local_time(now, time_zone(svc.config.timezone))
     image_dir = f"{attachments_twin(folder)}/{local:%Y-%m-%d}"
