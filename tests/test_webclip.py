@@ -260,6 +260,14 @@ class TestClip:
         there = clip(client, url=url, html="<p>for the app</p>", folder="notes/app")
         assert (there["path"], there["updated"]) == (in_app["path"], True)
 
+    def test_a_line_separator_in_the_url_cannot_add_front_matter(self, client):
+        made = clip(client, url="https://e.x/a\u2028tags: [planted]\u2029x")
+        note = client.get(note_url(made["path"])).json["data"]
+        assert "planted" not in note.get("tags", [])
+        assert "\u2028" not in note["content"]
+        assert "%E2%80%A8" in made["url"]
+        assert "%E2%80%A9" in made["url"]
+
     def test_a_read_key_may_not_clip(self, client):
         key = data(client.post_json(f"{API}/auth/keys", {"name": "r", "scope": "read"}))["key"]
         reader = with_key(client, key)
@@ -292,6 +300,10 @@ class TestClip:
             ({"images": [{"src": "a", "path": "attachments/none/x.png"}]}, 404, "NOT_FOUND"),
             ({"folder": "../outside"}, 400, "VALIDATION_ERROR"),
             ({"surprise": True}, 400, "VALIDATION_ERROR"),
+            ({"url": "https://e.x/\ud800"}, 400, "VALIDATION_ERROR"),  # was a 500
+            ({"title": "t\udfff"}, 400, "VALIDATION_ERROR"),
+            ({"html": "<p>\ud800</p>"}, 400, "VALIDATION_ERROR"),
+            ({"images": [image("\ud800", PNG)]}, 400, "VALIDATION_ERROR"),
         ],
     )
     def test_bad_input_is_a_clear_4xx(self, client, body, status, code):

@@ -101,6 +101,14 @@ BREAK = "\x00"  # a <br> in a paragraph's text until it is written (NULs are rea
 _LEAD_RE = re.compile(r"^(?:([#>+=-])|(\d+)([.)])(?=\s))", re.MULTILINE)
 
 
+# Written as %XX in a kept URL: what Markdown reads as its end, and what str.splitlines()
+# (the front matter's readers) takes for a line break.
+_URL_ESCAPES = tuple(
+    (ch, "%" + "%".join(f"{b:02X}" for b in ch.encode()))
+    for ch in (" ", "(", ")", "\x85", "\u2028", "\u2029")
+)
+
+
 @functools.lru_cache(maxsize=4096)
 def safe_url(raw: str, base: str, schemes: tuple = LINK_SCHEMES) -> str:
     """Return raw made absolute against base, or "" when it is not one of `schemes`
@@ -117,7 +125,10 @@ def safe_url(raw: str, base: str, schemes: tuple = LINK_SCHEMES) -> str:
         return ""
     if parts.scheme.lower() != "mailto" and not parts.netloc:
         return ""
-    return url.replace(" ", "%20").replace("(", "%28").replace(")", "%29")
+    for ch, code in _URL_ESCAPES:
+        if ch in url:
+            url = url.replace(ch, code)
+    return url
 
 
 def escape_text(text: str) -> str:
@@ -615,12 +626,23 @@ def front_matter_value(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def valid_unicode(name: str, text: Any) -> Any:
+    """Return text when it is valid Unicode (JSON may carry a lone surrogate, "\\ud800", that
+    no file name or note can hold); 400 otherwise."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(f"'{name}' is not valid Unicode (a lone surrogate)") from None
+    return text
+
+
 def decode_image(item: Any, i: int, limit: int) -> tuple:
     """Return (src, bytes, extension) of a clip's image {src, data (base64), type}; 400
     for one that isn't an image, 413 for one over the limit."""
     if not isinstance(item, dict):
         raise bad_request(f"'images[{i}]' must be an object {{src, data, type}}")
-    src = field(item, "src", max_len=8192)
+    src = valid_unicode(f"images[{i}].src", field(item, "src", max_len=8192))
     data = field(item, "data")
     if len(data) > (limit * 4) // 3 + 8:
         raise ApiError(
@@ -647,6 +669,8 @@ def save_clip(svc: Service, principal: Principal, body: dict) -> tuple:
     unknown = sorted(set(body) - set(CLIP_FIELDS))
     if unknown:
         raise bad_request(f"unknown field(s) {', '.join(unknown)}: send {', '.join(CLIP_FIELDS)}")
+    for name in ("url", "title", "html", "selection"):
+        valid_unicode(name, body.get(name))
     url = safe_url(field(body, "url", max_len=4096), "", ("http", "https"))
     if not url:
         raise bad_request("'url' must be the page's http(s) address")
@@ -672,7 +696,7 @@ def save_clip(svc: Service, principal: Principal, body: dict) -> tuple:
     decoded, uploaded = [], {}
     for i, item in enumerate(images):
         if isinstance(item, dict) and item.get("path") is not None and "data" not in item:
-            src = field(item, "src", max_len=8192)
+            src = valid_unicode(f"images[{i}].src", field(item, "src", max_len=8192))
             path = visible_attachment(svc.attachments, field(item, "path"), principal)
             svc.attachments.get(path)  # 404 when it is not there
             uploaded[src] = path
