@@ -20498,7 +20498,11 @@ def image_extension(data: bytes) -> str | None:
 
 
 def _image_stem(src: str) -> str:
-    name = urllib.parse.unquote(urllib.parse.urlsplit(src).path.rsplit("/", 1)[-1])
+    try:
+        path = urllib.parse.urlsplit(src).path
+    except ValueError:  # "http://[broken/a.png": no URL, its last segment all the same
+        path = src.split("?", 1)[0].split("#", 1)[0]
+    name = urllib.parse.unquote(path.rsplit("/", 1)[-1])
     stem = name.rpartition(".")[0] or name
     stem = re.sub(r"[^\w-]+", "-", unicodedata.normalize("NFC", stem)).strip("-_")
     return stem[:60] or "image"

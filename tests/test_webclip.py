@@ -268,6 +268,13 @@ class TestClip:
         assert "%E2%80%A8" in made["url"]
         assert "%E2%80%A9" in made["url"]
 
+    def test_an_image_whose_src_is_no_valid_url_is_still_kept(self, client):
+        src = "http://[broken/photo.png"  # urlsplit raises on it (was a 500)
+        made = clip(client, html=f'<p><img src="{src}"></p>', images=[image(src)])
+        assert made["images"] == 1
+        text = client.get(note_url(made["path"])).json["data"]["content"]
+        assert "photo.png)" in text
+
     def test_a_read_key_may_not_clip(self, client):
         key = data(client.post_json(f"{API}/auth/keys", {"name": "r", "scope": "read"}))["key"]
         reader = with_key(client, key)
