@@ -20262,7 +20262,8 @@ class _Converter:
         frame = _Frame(tag)
         if tag == "ol":
             start = attrs.get("start") or "1"
-            frame.data = int(start) if start.isdigit() and len(start) < 9 else 1
+            ok = start.isascii() and start.isdigit() and len(start) < 9  # not "²" nor "٣"
+            frame.data = int(start) if ok else 1
         elif tag == "table":
             frame.data = []  # its rows
             self.tables.append(frame)
@@ -20297,7 +20298,9 @@ class _Converter:
         if tag == "pre":
             self.pre -= 1
             text = "".join(x for x in frame.inline if isinstance(x, str)).strip("\n")
-            fence = "~~~" if "```" in text else "```"
+            # a fence longer than any run of backticks inside: no line of the code ends it
+            runs = re.findall(r"`{3,}", text)
+            fence = "`" * max([3] + [len(r) + 1 for r in runs])
             if text:
                 parent.blocks.append(f"{fence}\n{text}\n{fence}")
             return
@@ -20386,8 +20389,9 @@ class _Converter:
         if frame.tag == "a":
             return f"{lead}[{text}]({frame.data}){trail}" if frame.data else inner
         if frame.tag == "code":
-            tick = "``" if "`" in text else "`"
-            return f"{lead}{tick}{text}{tick}{trail}"
+            tick = "`" * (max([0] + [len(r) for r in re.findall(r"`+", text)]) + 1)
+            pad = " " if text[:1] == "`" or text[-1:] == "`" else ""
+            return f"{lead}{tick}{pad}{text}{pad}{tick}{trail}"
         mark = INLINE_MARKS[frame.tag]
         return f"{lead}{mark}{text}{mark}{trail}"
 

@@ -151,6 +151,16 @@ class TestHtmlToMarkdown:
         assert out.index("one") < out.index("two") < out.index("after")
         assert "one  \ntwo" in out or "one\n\ntwo" in out
 
+    def test_a_list_start_in_other_digits_is_one(self):
+        assert md('<ol start="²"><li>x</li></ol>') == "1. x"  # int("²") raised: a 500
+        assert md('<ol start="٣"><li>x</li></ol>') == "1. x"
+
+    def test_code_holding_both_fences_stays_code(self):
+        out = md("<pre>a\n~~~\n```\n````\n# not a heading</pre><p>after</p>")
+        assert out == "`````\na\n~~~\n```\n````\n# not a heading\n`````\n\nafter"
+        assert md("<p><code>a `` b</code> c</p>") == "```a `` b``` c"
+        assert md("<p><code>`x`</code></p>") == "`` `x` ``"
+
     def test_broken_markup_still_gives_its_text(self):
         page = "<p>open <b>bold <i>both</p><p>next</b> after</i><div><p>x</span></li></ul>"
         out = md(page)
