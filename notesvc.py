@@ -18503,7 +18503,8 @@ class FileTextReader:
         self.pinned: tuple | None = None  # (path on disk, fd) of the file being read
         self.counts = {"read": 0, "skipped": 0, "failed": 0, "pages": 0}
         self.notes: dict = {}  # digest -> what was said of it (skipped, cut short, failed)
-        self.said: collections.deque = collections.deque(maxlen=20)  # the latest, for info
+        # the latest (path, what was said of it), for info
+        self.said: collections.deque = collections.deque(maxlen=20)
         self.last_read = ""  # when the last file was done
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -18531,8 +18532,10 @@ class FileTextReader:
             )
         return ""
 
-    def info(self) -> dict:
-        """What /system/info says: on or off (and why), the tools, how far it got."""
+    def info(self, sees: Callable | None = None) -> dict:
+        """What /system/info says: on or off (and why), the tools, how far it got. With
+        `sees` (a principal's), the file being read and what was said of files name only
+        the files it reaches (the counts are the server's)."""
         with self._lock:
             known = len(self.files)
             waiting = len(self.queue) + (1 if self.current else 0)
@@ -18548,12 +18551,14 @@ class FileTextReader:
                 "files": known,
                 "read": sum(1 for v in self.files.values() if self._done(v[2])),
                 "waiting": waiting,
-                "reading": self.current or None,
+                "reading": self.current
+                if self.current and (sees is None or sees(self.current))
+                else None,
                 "skipped": self.counts["skipped"],
                 "failed": self.counts["failed"],
                 "pages": self.counts["pages"],
                 "lastRead": self.last_read or None,
-                "said": list(self.said),
+                "said": [said for path, said in self.said if sees is None or sees(path)],
             }
         return answer
 
@@ -18832,7 +18837,7 @@ class FileTextReader:
         self._open.discard(digest)
         if note:
             self.notes[digest] = note
-            self.said.append(note)
+            self.said.append((self.current, note))  # (the file's path, what was said)
             log.info("text inside files: %s", note)
 
     def _start(self, full: Path, digest: str) -> str | None:
@@ -38006,6 +38011,12 @@ def _with_query(url: str, **params: str) -> str:
     return url + sep + urllib.parse.urlencode(params)
 
 
+def file_sees():
+    """Return the request principal's sees() for what names files, None when it sees all."""
+    principal = request_principal()
+    return None if principal.whole else principal.sees
+
+
 def get_info(svc: Service) -> dict:
     count, size = svc.note_stats()
     return {
@@ -38026,7 +38037,7 @@ def get_info(svc: Service) -> dict:
         },
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
         "embeddings": svc.embedder.info() if svc.embedder is not None else None,
-        "attachmentText": svc.reader.info() if svc.reader is not None else None,
+        "attachmentText": svc.reader.info(file_sees()) if svc.reader is not None else None,
         "connection": svc.relay_client.status()
         if svc.relay_client
         else {
@@ -43212,7 +43223,9 @@ def secure_address(svc: Service, env: dict) -> str | None:
 def get_capture(svc: Service) -> dict:
     """GET /capture: what Record and the line about the text inside files need."""
     env = bottle.request.environ
-    reader = svc.reader.info() if svc.reader is not None else {"enabled": False}
+    principal = request_principal()
+    sees = None if principal.whole else principal.sees  # names only the files it reaches
+    reader = svc.reader.info(sees) if svc.reader is not None else {"enabled": False}
     return {
         "record": {
             "transcribe": bool(svc.config.transcribe_url),

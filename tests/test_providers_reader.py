@@ -426,6 +426,29 @@ class TestPdfText:
             texts = (root / ".notesvc" / "filetext").glob("*.jsonl")
             assert not [p for p in texts if "beluga" in p.read_text()]
 
+    def test_what_the_reader_says_names_only_files_the_asker_reaches(self, make_app):
+        # GET /capture (scope read) carried the path being read and what was said of each
+        # file ("merger-plan.pdf could not be read") to every key: a person, a folder key.
+        from test_people import device_of
+
+        anon = make_app()
+        client = with_key(anon)
+        put_file(client, "attachments/board/merger-plan.pdf", b"MZ an executable, the board's")
+        put_file(client, "attachments/app/fake.pdf", b"MZ not a pdf")
+        said = lambda who: " ".join(reader_info(who)["said"])  # noqa: E731
+        wait_for(lambda: "merger-plan.pdf" in said(client) and "fake.pdf" in said(client))
+        made = data(
+            client.post_json(
+                f"{API}/auth/keys", {"name": "app", "scope": "read", "folder": "notes/app"}
+            )
+        )
+        _ann, as_ann = device_of(client, anon, "Ann")
+        for other in (with_key(anon, made["key"]), as_ann):
+            seen = data(other.get(f"{API}/capture"))["attachmentText"]
+            assert "merger-plan" not in str(seen), seen
+        app_seen = data(with_key(anon, made["key"]).get(f"{API}/capture"))["attachmentText"]
+        assert any("fake.pdf" in line for line in app_seen["said"])  # its own file, said
+
     def test_off_says_so(self, make_app):
         client = with_key(make_app(SERVICE_ATTACHMENT_TEXT="off"))
         info = reader_info(client)

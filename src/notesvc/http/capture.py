@@ -176,7 +176,9 @@ def secure_address(svc: Service, env: dict) -> str | None:
 def get_capture(svc: Service) -> dict:
     """GET /capture: what Record and the line about the text inside files need."""
     env = bottle.request.environ
-    reader = svc.reader.info() if svc.reader is not None else {"enabled": False}
+    principal = request_principal()
+    sees = None if principal.whole else principal.sees  # names only the files it reaches
+    reader = svc.reader.info(sees) if svc.reader is not None else {"enabled": False}
     return {
         "record": {
             "transcribe": bool(svc.config.transcribe_url),

@@ -378,7 +378,8 @@ class FileTextReader:
         self.pinned: tuple | None = None  # (path on disk, fd) of the file being read
         self.counts = {"read": 0, "skipped": 0, "failed": 0, "pages": 0}
         self.notes: dict = {}  # digest -> what was said of it (skipped, cut short, failed)
-        self.said: collections.deque = collections.deque(maxlen=20)  # the latest, for info
+        # the latest (path, what was said of it), for info
+        self.said: collections.deque = collections.deque(maxlen=20)
         self.last_read = ""  # when the last file was done
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -406,8 +407,10 @@ class FileTextReader:
             )
         return ""
 
-    def info(self) -> dict:
-        """What /system/info says: on or off (and why), the tools, how far it got."""
+    def info(self, sees: Callable | None = None) -> dict:
+        """What /system/info says: on or off (and why), the tools, how far it got. With
+        `sees` (a principal's), the file being read and what was said of files name only
+        the files it reaches (the counts are the server's)."""
         with self._lock:
             known = len(self.files)
             waiting = len(self.queue) + (1 if self.current else 0)
@@ -423,12 +426,14 @@ class FileTextReader:
                 "files": known,
                 "read": sum(1 for v in self.files.values() if self._done(v[2])),
                 "waiting": waiting,
-                "reading": self.current or None,
+                "reading": self.current
+                if self.current and (sees is None or sees(self.current))
+                else None,
                 "skipped": self.counts["skipped"],
                 "failed": self.counts["failed"],
                 "pages": self.counts["pages"],
                 "lastRead": self.last_read or None,
-                "said": list(self.said),
+                "said": [said for path, said in self.said if sees is None or sees(path)],
             }
         return answer
 
@@ -707,7 +712,7 @@ class FileTextReader:
         self._open.discard(digest)
         if note:
             self.notes[digest] = note
-            self.said.append(note)
+            self.said.append((self.current, note))  # (the file's path, what was said)
             log.info("text inside files: %s", note)
 
     def _start(self, full: Path, digest: str) -> str | None:
