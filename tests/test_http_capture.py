@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from conftest import API, NOWHERE, assert_error, data, note_url, with_key
+from conftest import API, NOWHERE, assert_error, data, note_url, running, with_key
 from test_people import device_of
 
 VOICE = f"{API}/capture/voice"
@@ -135,3 +135,40 @@ class TestClipPage:
         assert sri == "sha384-" + base64.b64encode(hashlib.sha384(script.body).digest()).decode()
         assert "'strict-dynamic'" in page.headers["Content-Security-Policy"]
         assert script.headers["Cache-Control"] == "no-cache"
+
+
+@pytest.mark.real_server
+@pytest.mark.slow
+def test_the_real_server_takes_clips_and_recordings_up_to_the_attachment_limit(tmp_path):
+    # waitress held /capture/clip and /capture/voice to SERVICE_MAX_BODY_BYTES (1 MiB)
+    # while the handlers (and docs/api.md) take up to SERVICE_MAX_ATTACHMENT_BYTES: a
+    # two-minute recording or a long article was 413 on a real server only.
+    import json
+    import urllib.request
+
+    env = {"SERVICE_MAX_BODY_BYTES": "100000", "SERVICE_MAX_ATTACHMENT_BYTES": "3000000"}
+    with running(tmp_path / "root", env=env) as server:
+        key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+
+        def post(path: str, body: bytes, ctype: str) -> tuple:
+            req = urllib.request.Request(
+                server.url + path, body, {"Content-Type": ctype, "X-Service-Key": key}
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=60) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as e:
+                with e:
+                    return e.code, json.loads(e.read())
+
+        page = {"url": "https://e.x/long", "html": "<p>" + "word " * 200_000 + "</p>"}
+        status, answer = post(f"{API}/capture/clip", json.dumps(page).encode(), "application/json")
+        assert status == 201, answer
+        recording = b"\x1a\x45\xdf\xa3" + b"\x00" * 1_500_000
+        status, answer = post(VOICE, recording, "audio/webm")
+        assert status == 201, answer
+        status, answer = post(VOICE, recording * 2, "audio/webm")  # over the attachment limit
+        assert status == 413, answer
+        assert "SERVICE_MAX_ATTACHMENT_BYTES" in answer["error"]["message"]
+        status, answer = post(f"{API}/notes", b"{" + b" " * 200_000 + b"}", "application/json")
+        assert status == 413, answer  # every other body keeps SERVICE_MAX_BODY_BYTES

@@ -4,6 +4,7 @@ tesseract-ocr on a PDF and an image made here; without them these tests skip."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import signal
@@ -384,6 +385,69 @@ class TestPdfText:
         settled(client, 1)
         assert search(client, "marmot")["total"] == 1
         assert not [p for p in Path.cwd().glob("PWNED*")] + list(root.rglob("PWNED*"))
+
+    @pytest.mark.parametrize("swap", ["symlink", "renamed over"])
+    def test_a_file_swapped_between_scan_and_read_never_has_the_new_bytes_read(
+        self, make_app, root, tmp_path, monkeypatch, swap
+    ):
+        # Someone with the disk (a sync tool) puts a link to a file outside attachments/,
+        # or another file, in the place of one the reader has hashed and queued: the tools
+        # opened the path again and read what was there then, kept under the old hash.
+        import notesvc
+
+        outside = tmp_path / "outside.pdf"
+        outside.write_bytes(text_pdf(["beluga whales sing secret songs"]))
+        original = notesvc.FileTextReader._pdf_pages
+        swapped = []
+
+        def swap_first(reader, full):
+            if not swapped:
+                swapped.append(full)
+                moved = full.with_name(".swap")
+                if swap == "symlink":
+                    moved.symlink_to(outside)
+                else:
+                    moved.write_bytes(outside.read_bytes())
+                os.replace(moved, full)
+            return original(reader, full)
+
+        monkeypatch.setattr(notesvc.FileTextReader, "_pdf_pages", swap_first)
+        client = with_key(make_app())
+        put_note(client, "notes/n.md", "[x](../attachments/a.pdf)")
+        raw = text_pdf(["walrus facts for everyone"])
+        put_file(client, "attachments/a.pdf", raw)
+        kept = root / ".notesvc" / "filetext" / f"{hashlib.sha256(raw).hexdigest()}.jsonl"
+        wait_for(lambda: kept.exists() and '"done"' in kept.read_text(), timeout=60)
+        assert "walrus" in kept.read_text()  # the file hashed is the file read
+        assert "beluga" not in kept.read_text()
+        if swap == "symlink":  # a link is never read at all
+            settled(client, 0)
+            assert search(client, "beluga")["total"] == 0
+            texts = (root / ".notesvc" / "filetext").glob("*.jsonl")
+            assert not [p for p in texts if "beluga" in p.read_text()]
+
+    def test_what_the_reader_says_names_only_files_the_asker_reaches(self, make_app):
+        # GET /capture (scope read) carried the path being read and what was said of each
+        # file ("merger-plan.pdf could not be read") to every key: a person, a folder key.
+        from test_people import device_of
+
+        anon = make_app()
+        client = with_key(anon)
+        put_file(client, "attachments/board/merger-plan.pdf", b"MZ an executable, the board's")
+        put_file(client, "attachments/app/fake.pdf", b"MZ not a pdf")
+        said = lambda who: " ".join(reader_info(who)["said"])  # noqa: E731
+        wait_for(lambda: "merger-plan.pdf" in said(client) and "fake.pdf" in said(client))
+        made = data(
+            client.post_json(
+                f"{API}/auth/keys", {"name": "app", "scope": "read", "folder": "notes/app"}
+            )
+        )
+        _ann, as_ann = device_of(client, anon, "Ann")
+        for other in (with_key(anon, made["key"]), as_ann):
+            seen = data(other.get(f"{API}/capture"))["attachmentText"]
+            assert "merger-plan" not in str(seen), seen
+        app_seen = data(with_key(anon, made["key"]).get(f"{API}/capture"))["attachmentText"]
+        assert any("fake.pdf" in line for line in app_seen["said"])  # its own file, said
 
     def test_off_says_so(self, make_app):
         client = with_key(make_app(SERVICE_ATTACHMENT_TEXT="off"))

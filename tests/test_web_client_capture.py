@@ -386,6 +386,50 @@ class TestBookmarklet:
         finally:
             server.stop()
 
+    def test_a_page_that_opens_the_clip_page_speaks_only_for_its_own_address(
+        self, browser, tmp_path, site
+    ):
+        # Any site can open /clip and post to it as its opener: claiming another address, it
+        # would have the person's note of that URL (their bank's page, clipped before)
+        # replaced by its own HTML at one click on "Clip page".
+        root = tmp_path / "srv"
+        server = Server(root)
+        try:
+            s = WebSession(browser, tmp_path, "phone")
+            page = s.page
+            page.goto(server.url + "/clip")
+            page.fill("#pair", pairing_link(server, root).split("#pair=")[1])
+            page.click("#pair-go")
+            expect(page.locator("#bookmarklet")).to_be_visible()
+            evil = s.context.new_page()
+            evil.goto(site.url + "/article.html")
+            script = """(target) => new Promise((done) => {
+                const w = window.open(target, "notesvc-clip");
+                addEventListener("message", (e) => {
+                    if (e.source !== w) return;
+                    for (const url of ["https://bank.example/statement", "not a url"])
+                        w.postMessage({type: "notesvc-clip", url, title: "Statement",
+                                       html: "<p>forged</p>"}, "*");
+                    done();
+                });
+            })"""
+            with s.context.expect_page() as opened:
+                evil.evaluate(script, server.url + "/clip")
+            clip_page = opened.value
+            expect(clip_page.locator("#msg")).to_contain_text("Waiting for the page")
+            expect(clip_page.locator("#clip")).to_be_hidden()
+            # the same opener, for its own address, is heard
+            evil.evaluate(
+                """(origin) => window.open("", "notesvc-clip").postMessage({type: "notesvc-clip",
+                    url: location.href, title: "Its own", html: "<p>own</p>"}, origin)""",
+                server.url,
+            )
+            expect(clip_page.locator("#clip")).to_be_visible()
+            expect(clip_page.locator("#page")).to_contain_text(site.url + "/article.html")
+            assert s.close() == []
+        finally:
+            server.stop()
+
 
 # -- Record -----------------------------------------------------------------------------------
 

@@ -122,6 +122,45 @@ class TestHtmlToMarkdown:
             page = opening * 10_000 + "deep text" + "</div>" * 10
             assert "deep text" in md(page)
 
+    @pytest.mark.parametrize(
+        "unit",
+        ["<a", "<!", '<a "', "<div>x", "<b>x", "<a href=//a.b>x", "<ul><li>x", "x<br>"],
+    )
+    def test_a_page_of_one_hostile_shape_costs_what_a_plain_page_does(self, unit):
+        # Unterminated tags were searched again from every later "<", and each open element
+        # copied all it held when it closed: 400 KB of "<a" took half an hour, of "<div>x"
+        # minutes. Now they cost the same order as plain text of the same size.
+        import time
+
+        size = 400_000
+        plain = "<p>" + "word " * (size // 5) + "</p>"
+        start = time.perf_counter()
+        md(plain)
+        reference = time.perf_counter() - start
+        page = "<blockquote>" * 40 + unit * (size // len(unit))
+        start = time.perf_counter()
+        out = md(page)
+        took = time.perf_counter() - start
+        assert took < 40 * reference + 1.0, (unit, took, reference)
+        if "x" in unit:
+            assert out.count("x") >= size // len(unit)  # text deeper than MAX_DEPTH is kept
+
+    def test_text_nested_deeper_than_the_limit_is_kept_as_lines(self):
+        page = "<div>" * 500 + "<p>one</p><p>two</p>" + "</div>" * 500 + "<p>after</p>"
+        out = md(page)
+        assert out.index("one") < out.index("two") < out.index("after")
+        assert "one  \ntwo" in out or "one\n\ntwo" in out
+
+    def test_a_list_start_in_other_digits_is_one(self):
+        assert md('<ol start="²"><li>x</li></ol>') == "1. x"  # int("²") raised: a 500
+        assert md('<ol start="٣"><li>x</li></ol>') == "1. x"
+
+    def test_code_holding_both_fences_stays_code(self):
+        out = md("<pre>a\n~~~\n```\n````\n# not a heading</pre><p>after</p>")
+        assert out == "`````\na\n~~~\n```\n````\n# not a heading\n`````\n\nafter"
+        assert md("<p><code>a `` b</code> c</p>") == "```a `` b``` c"
+        assert md("<p><code>`x`</code></p>") == "`` `x` ``"
+
     def test_broken_markup_still_gives_its_text(self):
         page = "<p>open <b>bold <i>both</p><p>next</b> after</i><div><p>x</span></li></ul>"
         out = md(page)
@@ -203,6 +242,49 @@ class TestClip:
         assert hers["updated"] is False
         assert "owner's clip" in client.get(note_url(owners["path"])).json["data"]["content"]
 
+    def test_the_owners_clip_never_lands_in_a_note_someone_else_reads(self, client, anon):
+        # Ann (or a folder key's holder) plants a note with the URL the owner will clip
+        # from their signed-in browser: the owner may write it, but updating it would hand
+        # the page to whoever reads that note. A new note is made instead.
+        _ann, as_ann = device_of(client, anon, "Ann")
+        url = "https://bank.example/statement"
+        planted = clip(as_ann, url=url, html="<p>planted</p>")
+        assert clip(as_ann, url=url, html="<p>hers again</p>")["updated"] is True
+        made = data(
+            client.post_json(
+                f"{API}/auth/keys", {"name": "app", "scope": "write", "folder": "notes/app"}
+            )
+        )
+        app = with_key(anon, made["key"])
+        in_app = clip(app, url=url, html="<p>the app's</p>")
+        assert in_app["path"].startswith("notes/app/")
+        owners = clip(client, url=url, html="<p>owner's secret statement</p>")
+        assert owners["updated"] is False
+        assert owners["path"] not in (planted["path"], in_app["path"])
+        for path in (planted["path"], in_app["path"]):
+            text = client.get(note_url(path)).json["data"]["content"]
+            assert "secret statement" not in text
+        again = clip(client, url=url, html="<p>owner's second look</p>")
+        assert (again["path"], again["updated"]) == (owners["path"], True)
+        # asked for the shared place itself, the clip updates the note there
+        there = clip(client, url=url, html="<p>for the app</p>", folder="notes/app")
+        assert (there["path"], there["updated"]) == (in_app["path"], True)
+
+    def test_a_line_separator_in_the_url_cannot_add_front_matter(self, client):
+        made = clip(client, url="https://e.x/a\u2028tags: [planted]\u2029x")
+        note = client.get(note_url(made["path"])).json["data"]
+        assert "planted" not in note.get("tags", [])
+        assert "\u2028" not in note["content"]
+        assert "%E2%80%A8" in made["url"]
+        assert "%E2%80%A9" in made["url"]
+
+    def test_an_image_whose_src_is_no_valid_url_is_still_kept(self, client):
+        src = "http://[broken/photo.png"  # urlsplit raises on it (was a 500)
+        made = clip(client, html=f'<p><img src="{src}"></p>', images=[image(src)])
+        assert made["images"] == 1
+        text = client.get(note_url(made["path"])).json["data"]["content"]
+        assert "photo.png)" in text
+
     def test_a_read_key_may_not_clip(self, client):
         key = data(client.post_json(f"{API}/auth/keys", {"name": "r", "scope": "read"}))["key"]
         reader = with_key(client, key)
@@ -235,6 +317,10 @@ class TestClip:
             ({"images": [{"src": "a", "path": "attachments/none/x.png"}]}, 404, "NOT_FOUND"),
             ({"folder": "../outside"}, 400, "VALIDATION_ERROR"),
             ({"surprise": True}, 400, "VALIDATION_ERROR"),
+            ({"url": "https://e.x/\ud800"}, 400, "VALIDATION_ERROR"),  # was a 500
+            ({"title": "t\udfff"}, 400, "VALIDATION_ERROR"),
+            ({"html": "<p>\ud800</p>"}, 400, "VALIDATION_ERROR"),
+            ({"images": [image("\ud800", PNG)]}, 400, "VALIDATION_ERROR"),
         ],
     )
     def test_bad_input_is_a_clear_4xx(self, client, body, status, code):
@@ -246,6 +332,14 @@ class TestClip:
         big = "<p>" + "x" * (5 * 1024 * 1024) + "</p>"
         resp = client.post_json(CLIP, {"url": "https://e.x/", "html": big}, status=413)
         assert_error(resp, 413, "PAYLOAD_TOO_LARGE")
+
+    def test_a_page_whose_markdown_would_be_too_large_is_413_and_keeps_no_image(self, client, root):
+        # 16 quotes deep, each line of "x<br>" becomes 36 bytes: 5 MB of page, 37 MB of note
+        page = '<img src="https://e.x/i.png">' + "<blockquote>" * 20 + "x<br>" * 1_000_000
+        body = {"url": "https://e.x/deep", "html": page, "images": [image("https://e.x/i.png")]}
+        resp = client.post_json(CLIP, body, status=413)
+        assert_error(resp, 413, "PAYLOAD_TOO_LARGE")
+        assert not list((root / "attachments").rglob("i*.png"))
 
     def test_a_body_over_the_attachment_limit_is_413_before_it_is_read(self, make_app):
         small = with_key(make_app(SERVICE_MAX_ATTACHMENT_BYTES="100000"))

@@ -2,7 +2,8 @@
 // The bookmarklet's page (/clip). It keeps a device key of its own in this origin's storage
 // (connected like a device: a pairing link or code). The bookmarklet opens it and hands it
 // {url, title, html, selection} by postMessage: only a message from the window that opened
-// this one is taken (event.source), and the page's bytes never carry a key or an image.
+// this one is taken (event.source), for a URL of that window's own origin (event.origin),
+// and the page's bytes never carry a key or an image.
 (() => {
   const $ = (id) => document.getElementById(id);
   const KEY = "notesvc.clipKey";
@@ -120,6 +121,15 @@
     const d = event.data;
     if (!d || d.type !== "notesvc-clip" || typeof d.url !== "string") return;
     if (typeof d.html !== "string" || typeof d.title !== "string") return;
+    // a page speaks for its own address only: another site that opened this page can't
+    // have a clip of (and so the note of) https://your-bank.example/ saved in its place
+    let origin = null;
+    try {
+      origin = new URL(d.url).origin;
+    } catch (e) {
+      return;
+    }
+    if (origin !== event.origin) return;
     page = {url: d.url, title: d.title, html: d.html, selection: String(d.selection || "")};
     $("page").textContent = (page.title || page.url) + " — " + page.url;
     $("clip-selection").disabled = !page.selection;

@@ -354,6 +354,9 @@ def _body_limited(adj: Any, size: int, setting: str) -> Any:
 
 
 _UPLOAD_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/attachments(?:/.*)?$", re.S)
+# a clip (its images inside) and a recording: up to SERVICE_MAX_ATTACHMENT_BYTES, as their
+# handlers read them (docs/api.md: Capture)
+_CAPTURE_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/capture/(?:clip|voice)(?:\?.*)?$", re.S)
 
 
 _DAV_PUT_RE = re.compile(rf"^(?:/r/[^/]+)?{DAV_PREFIX}/.*(?<!\.md)$", re.S)
@@ -364,10 +367,13 @@ _IMPORT_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/import(?:\?.*)?$", re.S)
 
 def upload_kind(method: str, path: str) -> str:
     """Return which limit a request's body has: "import" (POST /import), "attachment" (the
-    API's attachments, or a file that is not a note over WebDAV) or "" (the others)."""
+    API's attachments, a clip or a recording, or a file that is not a note over WebDAV) or
+    "" (the others)."""
     if method == "POST" and _IMPORT_RE.match(path or ""):
         return "import"
     if method == "PUT" and _DAV_PUT_RE.match((path or "").split("?", 1)[0]):
+        return "attachment"
+    if method == "POST" and _CAPTURE_RE.match(path or ""):
         return "attachment"
     return "attachment" if method in ("PUT", "POST") and _UPLOAD_RE.match(path or "") else ""
 

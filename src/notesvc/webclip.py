@@ -24,7 +24,14 @@ import urllib.parse
 from typing import Any
 
 from notesvc.errors import ApiError, bad_request
-from notesvc.grants import Principal, attachments_twin, visible_attachment, writable_folder
+from notesvc.grants import (
+    Principal,
+    attachments_twin,
+    inside,
+    person_reach,
+    visible_attachment,
+    writable_folder,
+)
 from notesvc.helpers import field, iso, local_time, time_zone
 from notesvc.notes.merge import title_filename
 from notesvc.notes.paths import NOTES, attachment_path
@@ -34,9 +41,14 @@ from notesvc.service import Service
 # -- HTML to Markdown ------------------------------------------------------------------------
 
 MAX_CLIP_HTML_BYTES = 5 << 20  # the page's HTML (the contract's "Capture limits")
+MAX_CLIP_MARKDOWN_BYTES = 2 * MAX_CLIP_HTML_BYTES  # what a page may become (deep quotes)
 MAX_CLIP_IMAGE_BYTES = 10_000_000  # each image (and at most SERVICE_MAX_ATTACHMENT_BYTES)
 MAX_CLIP_IMAGES = 200
-MAX_NESTING = 64  # deeper lists and quotes are drawn at this depth (10,000 nested elements)
+MAX_NESTING = 16  # deeper lists and quotes are drawn at this depth (10,000 nested elements)
+# Elements opened deeper than this are read as their text alone (a block there ends the
+# paragraph): each open element costs its close a copy of what it holds, so 700,000 nested
+# <div>s or <b>s in a 5 MB page would be quadratic.
+MAX_DEPTH = 100
 
 # Elements whose whole content goes: what runs, what styles, what asks for input, what
 # draws (an SVG can hold scripts), what another document fills.
@@ -89,6 +101,14 @@ BREAK = "\x00"  # a <br> in a paragraph's text until it is written (NULs are rea
 _LEAD_RE = re.compile(r"^(?:([#>+=-])|(\d+)([.)])(?=\s))", re.MULTILINE)
 
 
+# Written as %XX in a kept URL: what Markdown reads as its end, and what str.splitlines()
+# (the front matter's readers) takes for a line break.
+_URL_ESCAPES = tuple(
+    (ch, "%" + "%".join(f"{b:02X}" for b in ch.encode()))
+    for ch in (" ", "(", ")", "\x85", "\u2028", "\u2029")
+)
+
+
 @functools.lru_cache(maxsize=4096)
 def safe_url(raw: str, base: str, schemes: tuple = LINK_SCHEMES) -> str:
     """Return raw made absolute against base, or "" when it is not one of `schemes`
@@ -105,7 +125,10 @@ def safe_url(raw: str, base: str, schemes: tuple = LINK_SCHEMES) -> str:
         return ""
     if parts.scheme.lower() != "mailto" and not parts.netloc:
         return ""
-    return url.replace(" ", "%20").replace("(", "%28").replace(")", "%29")
+    for ch, code in _URL_ESCAPES:
+        if ch in url:
+            url = url.replace(ch, code)
+    return url
 
 
 def escape_text(text: str) -> str:
@@ -129,9 +152,11 @@ class _Frame:
 # The page read as tags and text by regular expressions (C loops): html.parser's own
 # tokenizer took 180 ms for 1 MB of dense markup before any Markdown was written. The
 # content of a raw-text element (a script, a style) is skipped to its end tag, as browsers do.
+# A tag left open runs to the end of the page (as a browser's tokenizer drops it): a match
+# that could fail would be tried again from every later "<", quadratic on "<a<a<a...".
 _HTML_TAG_RE = re.compile(
-    r"<(/?)([A-Za-z][A-Za-z0-9:-]*)((?:[^>\"']|\"[^\"]*\"|'[^']*')*)>"
-    r"|<!--.*?(?:-->|\Z)|<!\[CDATA\[.*?(?:\]\]>|\Z)|<![^>]*>|<\?[^>]*>",
+    r"<(/?)([A-Za-z][A-Za-z0-9:-]*)((?:[^>\"']|\"[^\"]*(?:\"|\Z)|'[^']*(?:'|\Z))*)(?:>|\Z)"
+    r"|<!--.*?(?:-->|\Z)|<!\[CDATA\[.*?(?:\]\]>|\Z)|<![^>]*(?:>|\Z)|<\?[^>]*(?:>|\Z)",
     re.DOTALL,
 )
 RAW_TEXT = frozenset(
@@ -235,6 +260,10 @@ class _Converter:
         if tag in DROPPED or (tag in OUTSIDE_ARTICLE and not self.articles) or hidden:
             self.dropping = len(self.open_tags)
             return
+        if len(self.open_tags) > MAX_DEPTH:  # read as its text alone (MAX_DEPTH)
+            if tag in BLOCKS or tag in ("td", "th"):
+                self.stack[-1].inline.append(BREAK)
+            return
         if tag in BLOCKS or tag in ("td", "th"):
             self._open_block(tag, attrs_d)
         elif tag == "a":
@@ -256,7 +285,7 @@ class _Converter:
             if self.dropping:
                 if len(self.open_tags) + 1 == self.dropping:
                     self.dropping = 0
-            else:
+            elif len(self.open_tags) < MAX_DEPTH:  # one opened deeper was never a frame
                 self._close(top)
             if top == tag:
                 break
@@ -276,7 +305,8 @@ class _Converter:
         frame = _Frame(tag)
         if tag == "ol":
             start = attrs.get("start") or "1"
-            frame.data = int(start) if start.isdigit() and len(start) < 9 else 1
+            ok = start.isascii() and start.isdigit() and len(start) < 9  # not "²" nor "٣"
+            frame.data = int(start) if ok else 1
         elif tag == "table":
             frame.data = []  # its rows
             self.tables.append(frame)
@@ -311,18 +341,19 @@ class _Converter:
         if tag == "pre":
             self.pre -= 1
             text = "".join(x for x in frame.inline if isinstance(x, str)).strip("\n")
-            fence = "~~~" if "```" in text else "```"
+            # a fence longer than any run of backticks inside: no line of the code ends it
+            runs = re.findall(r"`{3,}", text)
+            fence = "`" * max([3] + [len(r) + 1 for r in runs])
             if text:
                 parent.blocks.append(f"{fence}\n{text}\n{fence}")
             return
         text = self._inline_text(frame)
-        body = [b[1] if isinstance(b, tuple) else b for b in frame.blocks] + (
-            [text] if text else []
-        )
+        if text:
+            frame.blocks.append(text)
         if tag in ("ul", "ol", "blockquote"):
             self.nesting -= 1
         if tag in ("td", "th"):
-            cell = " ".join(" ".join(body).split())
+            cell = " ".join(" ".join(_texts(frame.blocks)).split())
             if self.rows:
                 self.rows[-1].data.append(cell)
             elif cell:
@@ -333,34 +364,37 @@ class _Converter:
                 self.tables[-1].data.append(frame.data)
         elif tag == "table":
             self.tables.pop()
-            self._table(parent, frame.data, body)
+            self._table(parent, frame.data, _texts(frame.blocks))
         elif tag in ("h1", "h2", "h3", "h4", "h5", "h6"):
-            line = " ".join(" ".join(body).split())
+            line = " ".join(" ".join(_texts(frame.blocks)).split())
             if line:
                 parent.blocks.append("#" * int(tag[1]) + " " + line)
         elif tag == "hr":
             parent.blocks.append("---")
-        elif tag == "li" and self.nesting <= MAX_NESTING and body:
+        elif tag == "li" and self.nesting <= MAX_NESTING and frame.blocks:
             marker = "- "
             if parent.tag == "ol" and isinstance(parent.data, int):
                 marker = f"{parent.data}. "
                 parent.data += 1
-            lines = "\n".join(body).split("\n")
-            pad = " " * len(marker)
-            rest = "".join("\n" + (pad + ln if ln else ln) for ln in lines[1:])
-            parent.blocks.append(("li", marker + lines[0] + rest))
-        elif tag in ("ul", "ol") and body:
-            items = [b[1] if isinstance(b, tuple) else b for b in frame.blocks]
-            parent.blocks.append("\n".join(items + ([text] if text else [])))
-        elif tag == "blockquote" and self.nesting < MAX_NESTING and body:
-            inner = "\n\n".join(body)
-            parent.blocks.append("\n".join("> " + ln if ln else ">" for ln in inner.split("\n")))
+            first, _, rest = "\n".join(_texts(frame.blocks)).partition("\n")
+            rest = _prefix_lines(rest, " " * len(marker), "")
+            parent.blocks.append(("li", marker + first + ("\n" + rest if rest else "")))
+        elif tag in ("ul", "ol") and self.nesting < MAX_NESTING and frame.blocks:
+            parent.blocks.append("\n".join(_texts(frame.blocks)))
+        elif tag == "blockquote" and self.nesting < MAX_NESTING and frame.blocks:
+            inner = "\n\n".join(_texts(frame.blocks))
+            parent.blocks.append(_prefix_lines(inner, "> ", ">"))
+        elif tag in ("article", "main") and self.articles == 1:
+            self.articles = 0
+            self.article_blocks.extend(_texts(frame.blocks))
+            parent.blocks.extend(frame.blocks)
+            return
+        elif parent.blocks:  # a block that is only its content (a <div>): handed on whole
+            parent.blocks.extend(frame.blocks)
         else:
-            parent.blocks.extend(body)
+            parent.blocks = frame.blocks
         if tag in ("article", "main"):
             self.articles -= 1
-            if not self.articles:
-                self.article_blocks.extend(body)
 
     def _table(self, parent: _Frame, rows: list, other: list) -> None:
         cells = [r for r in rows if any(r)]
@@ -398,8 +432,9 @@ class _Converter:
         if frame.tag == "a":
             return f"{lead}[{text}]({frame.data}){trail}" if frame.data else inner
         if frame.tag == "code":
-            tick = "``" if "`" in text else "`"
-            return f"{lead}{tick}{text}{tick}{trail}"
+            tick = "`" * (max([0] + [len(r) for r in re.findall(r"`+", text)]) + 1)
+            pad = " " if text[:1] == "`" or text[-1:] == "`" else ""
+            return f"{lead}{tick}{pad}{text}{pad}{tick}{trail}"
         mark = INLINE_MARKS[frame.tag]
         return f"{lead}{mark}{text}{mark}{trail}"
 
@@ -443,6 +478,27 @@ class _Converter:
         if len(article) >= 200:
             return article
         return "\n\n".join(b[1] if isinstance(b, tuple) else b for b in self.stack[0].blocks)
+
+
+def _prefix_lines(text: str, prefix: str, empty: str) -> str:
+    """Return text with prefix before each line, an empty line given `empty` instead (by
+    str.replace: a page's million lines in one quote cost no Python loop per line)."""
+    if not text:
+        return text
+    out = prefix + text.replace("\n", "\n" + prefix)
+    blank = "\n" + prefix + "\n"
+    while blank in out:
+        out = out.replace(blank, "\n" + empty + "\n")
+    if out.startswith(prefix + "\n"):
+        out = empty + out[len(prefix) :]
+    if out.endswith("\n" + prefix):
+        out = out[: -len(prefix)] + empty
+    return out
+
+
+def _texts(blocks: list) -> list:
+    """Return blocks as text (a list item's tuple as its Markdown)."""
+    return [b[1] if isinstance(b, tuple) else b for b in blocks]
 
 
 def _lead_escaped(m: re.Match) -> str:
@@ -489,7 +545,11 @@ def image_extension(data: bytes) -> str | None:
 
 
 def _image_stem(src: str) -> str:
-    name = urllib.parse.unquote(urllib.parse.urlsplit(src).path.rsplit("/", 1)[-1])
+    try:
+        path = urllib.parse.urlsplit(src).path
+    except ValueError:  # "http://[broken/a.png": no URL, its last segment all the same
+        path = src.split("?", 1)[0].split("#", 1)[0]
+    name = urllib.parse.unquote(path.rsplit("/", 1)[-1])
     stem = name.rpartition(".")[0] or name
     stem = re.sub(r"[^\w-]+", "-", unicodedata.normalize("NFC", stem)).strip("-_")
     return stem[:60] or "image"
@@ -522,13 +582,37 @@ def clip_sources(svc: Service) -> dict:
     return derived_per_note(svc, "clip sources", take, lambda _paths, taken: taken)
 
 
-def clip_note_of(svc: Service, url: str, principal: Principal) -> str | None:
-    """Return the note already clipped from url that the principal may write (the
-    newest path first by name), None when there is none it may write."""
-    found = sorted(p for p, src in clip_sources(svc).items() if src == url)
+def readers_of(svc: Service, path: str) -> frozenset:
+    """Return who besides the owner reads a note or folder at path: each person whose reach
+    holds it, each folder grant over it."""
+    data = svc.state.read()
+    people = {
+        ("person", p["id"])
+        for p in data.get("people", [])
+        if person_reach(data, p["id"]).sees(path)
+    }
+    grants = {
+        ("grant", g["id"])
+        for g in data.get("grants", [])
+        if g.get("folder") and inside(path, g["folder"])
+    }
+    return frozenset(people | grants)
+
+
+def clip_note_of(svc: Service, url: str, principal: Principal, folder: str) -> str | None:
+    """Return the note already clipped from url that the principal may write and that no
+    one reads who would not read a new clip in `folder` (a note planted with the URL in a
+    shared place never receives the page), those in `folder` first, then by name; None
+    when there is none."""
+    found = [p for p, src in clip_sources(svc).items() if src == url]
+    found.sort(key=lambda p: (not inside(p, folder), p))  # in the folder asked for first
+    readers = None
     for path in found:
         if (principal.whole or principal.may_write(path)) and svc.notes.exists(path):
-            return path
+            if readers is None:
+                readers = readers_of(svc, folder)
+            if readers_of(svc, path) <= readers:
+                return path
     return None
 
 
@@ -550,12 +634,23 @@ def front_matter_value(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def valid_unicode(name: str, text: Any) -> Any:
+    """Return text when it is valid Unicode (JSON may carry a lone surrogate, "\\ud800", that
+    no file name or note can hold); 400 otherwise."""
+    if isinstance(text, str):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request(f"'{name}' is not valid Unicode (a lone surrogate)") from None
+    return text
+
+
 def decode_image(item: Any, i: int, limit: int) -> tuple:
     """Return (src, bytes, extension) of a clip's image {src, data (base64), type}; 400
     for one that isn't an image, 413 for one over the limit."""
     if not isinstance(item, dict):
         raise bad_request(f"'images[{i}]' must be an object {{src, data, type}}")
-    src = field(item, "src", max_len=8192)
+    src = valid_unicode(f"images[{i}].src", field(item, "src", max_len=8192))
     data = field(item, "data")
     if len(data) > (limit * 4) // 3 + 8:
         raise ApiError(
@@ -582,6 +677,8 @@ def save_clip(svc: Service, principal: Principal, body: dict) -> tuple:
     unknown = sorted(set(body) - set(CLIP_FIELDS))
     if unknown:
         raise bad_request(f"unknown field(s) {', '.join(unknown)}: send {', '.join(CLIP_FIELDS)}")
+    for name in ("url", "title", "html", "selection"):
+        valid_unicode(name, body.get(name))
     url = safe_url(field(body, "url", max_len=4096), "", ("http", "https"))
     if not url:
         raise bad_request("'url' must be the page's http(s) address")
@@ -607,22 +704,21 @@ def save_clip(svc: Service, principal: Principal, body: dict) -> tuple:
     decoded, uploaded = [], {}
     for i, item in enumerate(images):
         if isinstance(item, dict) and item.get("path") is not None and "data" not in item:
-            src = field(item, "src", max_len=8192)
+            src = valid_unicode(f"images[{i}].src", field(item, "src", max_len=8192))
             path = visible_attachment(svc.attachments, field(item, "path"), principal)
             svc.attachments.get(path)  # 404 when it is not there
             uploaded[src] = path
             continue
         decoded.append(decode_image(item, i, limit))
-    existing = None if new else clip_note_of(svc, url, principal)
+    folder = clip_folder(svc, principal, field(body, "folder", required=False))
+    existing = None if new else clip_note_of(svc, url, principal, folder)
     if existing is not None:
         folder = existing.rsplit("/", 1)[0]
-    else:
-        folder = clip_folder(svc, principal, field(body, "folder", required=False))
     now = time.time()
     local = local_time(now, time_zone(svc.config.timezone))
     image_dir = f"{attachments_twin(folder)}/{local:%Y-%m-%d}"
     note_dir = folder
-    links, stored = {}, 0
+    links, stored, placed = {}, 0, []
     source = selection if selection else page
     for src, raw, ext in decoded:
         if src in links or src not in source:
@@ -635,11 +731,21 @@ def save_clip(svc: Service, principal: Principal, body: dict) -> tuple:
             f.write(data)
 
         rec, _ = svc.attachments.place(svc.attachments.spool(write), path, unique=True)
+        placed.append(rec)
         links[src] = urllib.parse.quote(posixpath.relpath(rec["path"], note_dir), safe="/")
         stored += 1
     for src, path in uploaded.items():
         links[src] = urllib.parse.quote(posixpath.relpath(path, note_dir), safe="/")
     md, page_title, remote = html_to_markdown(source, url, links)
+    if len(md) > MAX_CLIP_MARKDOWN_BYTES:
+        for rec in placed:  # the clip is refused: its images go with it
+            svc.attachments.discard_created(rec["path"], rec["etag"])
+        raise ApiError(
+            413,
+            "PAYLOAD_TOO_LARGE",
+            f"the page's Markdown is over {MAX_CLIP_MARKDOWN_BYTES} bytes (its quotes and "
+            "lists nest too deep to draw)",
+        )
     title = " ".join((title or page_title or url).split())[:300]
     head = (
         f"---\nsource: {front_matter_value(url)}\nclipped: {iso(now)}\n---\n\n"

@@ -194,6 +194,12 @@ def _with_query(url: str, **params: str) -> str:
     return url + sep + urllib.parse.urlencode(params)
 
 
+def file_sees():
+    """Return the request principal's sees() for what names files, None when it sees all."""
+    principal = request_principal()
+    return None if principal.whole else principal.sees
+
+
 def get_info(svc: Service) -> dict:
     count, size = svc.note_stats()
     return {
@@ -214,7 +220,7 @@ def get_info(svc: Service) -> dict:
         },
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
         "embeddings": svc.embedder.info() if svc.embedder is not None else None,
-        "attachmentText": svc.reader.info() if svc.reader is not None else None,
+        "attachmentText": svc.reader.info(file_sees()) if svc.reader is not None else None,
         "connection": svc.relay_client.status()
         if svc.relay_client
         else {

@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -192,7 +193,7 @@ def child_env() -> dict:
     return env
 
 
-def run_tool(argv: list, timeout: float, limit: int = MAX_TEXT_BYTES) -> str:
+def run_tool(argv: list, timeout: float, limit: int = MAX_TEXT_BYTES, fds: tuple = ()) -> str:
     """Return what a tool wrote (at most `limit` bytes, as UTF-8 text); ToolFailed when it
     ran over `timeout` (killed) or failed. An argument list, never a shell: a file named
     `; rm -rf ~` is a file name."""
@@ -208,6 +209,7 @@ def run_tool(argv: list, timeout: float, limit: int = MAX_TEXT_BYTES) -> str:
                 env=child_env(),
                 preexec_fn=_child_limits if sys.platform != "win32" else None,
                 close_fds=True,
+                pass_fds=fds,  # the file being read, opened once (FileTextReader.pinned)
             )
         except OSError as e:
             raise ToolFailed(f"{Path(argv[0]).name} could not start: {e.strerror}") from None
@@ -373,9 +375,11 @@ class FileTextReader:
         self.queue: collections.deque = collections.deque()
         self.linkers: Callable | None = None  # files -> {file: linking notes} (build_service)
         self.current = ""
+        self.pinned: tuple | None = None  # (path on disk, fd) of the file being read
         self.counts = {"read": 0, "skipped": 0, "failed": 0, "pages": 0}
         self.notes: dict = {}  # digest -> what was said of it (skipped, cut short, failed)
-        self.said: collections.deque = collections.deque(maxlen=20)  # the latest, for info
+        # the latest (path, what was said of it), for info
+        self.said: collections.deque = collections.deque(maxlen=20)
         self.last_read = ""  # when the last file was done
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -406,8 +410,8 @@ class FileTextReader:
     def info(self, sees: Callable | None = None) -> dict:
         """What /system/info says: on or off (and why), the tools, how far it got. With
         `sees` (a principal that does not see every file: a person, a folder key) only the
-        files it sees count, the file being read shows only if it sees it, and what is
-        server-wide (skipped, failed, pages, when, what was said: file names) is left out."""
+        files it sees count, the file being read and what was said show only for files it
+        sees, and what is server-wide (skipped, failed, pages, when) is left out."""
         if sees is not None:
             return self._info_within(sees)
         with self._lock:
@@ -430,7 +434,7 @@ class FileTextReader:
                 "failed": self.counts["failed"],
                 "pages": self.counts["pages"],
                 "lastRead": self.last_read or None,
-                "said": list(self.said),
+                "said": [said for _, said in self.said],
             }
         return answer
 
@@ -456,7 +460,7 @@ class FileTextReader:
                 "failed": None,
                 "pages": None,
                 "lastRead": None,
-                "said": [],
+                "said": [said for path, said in self.said if sees(path)],
             }
 
     def _done(self, digest: str) -> bool:
@@ -660,12 +664,52 @@ class FileTextReader:
         elapsed = time.monotonic() - wall_before
         self._stop.wait(max(0.0, worked * 2 - elapsed) + 0.01)
 
+    def _pin(self, full: Path, known: list) -> int | None:
+        """Open the file to read once, as scanned: not a link, a plain file inside
+        attachments/, its size and time those hashed. Every tool then reads that open
+        file (/dev/fd/N), so one swapped in meanwhile (a link out of attachments/, another
+        file renamed over it) is never read, nor kept under the hash of the one scanned."""
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(full, flags)
+        except OSError:
+            return None
+        try:
+            st = os.fstat(fd)
+            real = os.path.realpath(f"/proc/self/fd/{fd}" if sys.platform == "linux" else full)
+            top = os.path.realpath(self.svc.attachments.base / ATTACHMENTS) + os.sep
+            if (
+                stat.S_ISREG(st.st_mode)
+                and [st.st_size, st.st_mtime_ns] == list(known[:2])
+                and real.startswith(top)
+            ):
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        return None
+
+    def _arg(self, full: Path) -> str:
+        """Return how a tool names `full`: the pinned file's /dev/fd/N when it is that."""
+        if self.pinned is not None and self.pinned[0] == full and os.path.isdir("/dev/fd"):
+            return f"/dev/fd/{self.pinned[1]}"
+        return str(full)
+
+    def _fds(self, full: Path) -> tuple:
+        return (self.pinned[1],) if self._arg(full).startswith("/dev/fd/") else ()
+
     def _read_file(self, path: str, digest: str) -> None:
         full = self.svc.attachments.base / path
         with self._lock:
-            if self.files.get(path, [0, 0, ""])[2] != digest:
+            known = self.files.get(path, [0, 0, ""])
+            if known[2] != digest:
                 return  # changed or gone meanwhile: the next scan has it
+        fd = self._pin(full, known)
+        if fd is None:
+            return  # changed, gone or a link now: the next scan has it
+        with self._lock:
             self.current = path
+        self.pinned = (full, fd)
         try:
             kept = self.store.load(digest)
             if kept is None or not kept["kind"]:
@@ -683,6 +727,8 @@ class FileTextReader:
             else:
                 self._read_image(path, full, digest)
         finally:
+            self.pinned = None
+            os.close(fd)
             with self._lock:
                 self.current = ""
                 self.last_read = iso(time.time())
@@ -692,14 +738,14 @@ class FileTextReader:
         self._open.discard(digest)
         if note:
             self.notes[digest] = note
-            self.said.append(note)
+            self.said.append((self.current, note))  # (the file's path, what was said)
             log.info("text inside files: %s", note)
 
     def _start(self, full: Path, digest: str) -> str | None:
         """Check a new file's bytes and write its first line; None when it is not read
         (its reason kept, so it is not tried again)."""
         try:
-            with open(full, "rb") as f:
+            with open(self._arg(full), "rb") as f:
                 kind = sniff(f.read(16))
                 f.seek(0)
                 size = image_size(f, kind) if kind and kind != "pdf" else None
@@ -751,7 +797,8 @@ class FileTextReader:
 
     def _pdf_pages(self, full: Path) -> int:
         try:  # (a PDF that only forbids copying opens; one that needs a password does not)
-            out = run_tool([self.tools.pdfinfo, str(full)], self.PAGE_SECONDS, 65536)
+            argv = [self.tools.pdfinfo, self._arg(full)]
+            out = run_tool(argv, self.PAGE_SECONDS, 65536, self._fds(full))
         except ToolFailed as e:
             if "password" in str(e).lower():
                 raise ToolFailed("it is encrypted and needs a password") from None
@@ -806,24 +853,25 @@ class FileTextReader:
     def _pdf_page(self, full: Path, page: int, deadline: float) -> str:
         n = str(page)
         text = run_tool(
-            [self.tools.pdftotext, "-f", n, "-l", n, "-enc", "UTF-8", "-q", str(full), "-"],
+            [self.tools.pdftotext, "-f", n, "-l", n, "-enc", "UTF-8", "-q", self._arg(full), "-"],
             deadline - time.monotonic(),
+            fds=self._fds(full),
         )
         if sum(ch.isalnum() for ch in text[:2000]) >= TEXT_LAYER_CHARS or not self.tools.pdf_ocr:
             return text
         with tempfile.TemporaryDirectory(prefix="notesvc-ocr-") as tmp:
             prefix = os.path.join(tmp, "page")
             argv = [self.tools.pdftoppm, "-f", n, "-l", n, "-gray", "-png", "-r", "300"]
-            argv += ["-scale-to", str(PDF_DPI_LONG_SIDE), str(full), prefix]
-            run_tool(argv, deadline - time.monotonic(), 1024)
+            argv += ["-scale-to", str(PDF_DPI_LONG_SIDE), self._arg(full), prefix]
+            run_tool(argv, deadline - time.monotonic(), 1024, self._fds(full))
             images = sorted(Path(tmp).glob("page*.png"))
             if not images:
                 return text
             return self._ocr(images[0], deadline)
 
     def _ocr(self, image: Path, deadline: float) -> str:
-        argv = [self.tools.tesseract, str(image), "-", "-l", self.langs, "--psm", "3"]
-        return run_tool(argv, deadline - time.monotonic())
+        argv = [self.tools.tesseract, self._arg(image), "-", "-l", self.langs, "--psm", "3"]
+        return run_tool(argv, deadline - time.monotonic(), fds=self._fds(image))
 
     def _read_image(self, path: str, full: Path, digest: str) -> None:
         cpu, wall = children_cpu(), time.monotonic()
