@@ -507,6 +507,7 @@ class TestSecurity:
         assert not stale, f"FIRING_CONFIGURATIONS names checks that are gone: {stale}"
 
     @pytest.mark.parametrize("name", list(notesvc.AUDIT_CHECKS))
+    @pytest.mark.slow
     def test_every_audit_check_fires_with_findings_of_the_right_shape(
         self, make_app, tmp_path, name
     ):

@@ -325,6 +325,7 @@ class TestSetup:
             ({"X-Forwarded-For": "192.168.1.5", "X-Real-IP": "192.168.1.5"}, True),
         ],
     )
+    @pytest.mark.slow
     def test_a_trusted_proxy_names_the_client(self, make_app, headers, shown):
         app = make_app(SERVICE_TRUST_PROXY="127.0.0.1")
         key = key_of(app)
@@ -716,6 +717,7 @@ class TestAuth:
         assert PUBLIC_ROUTES
 
     @pytest.mark.parametrize("route", PROTECTED_ROUTES, ids=route_id)
+    @pytest.mark.slow
     def test_every_protected_route_refuses_missing_and_wrong_key(self, anon, route):
         refuses_missing_and_wrong_key(anon, route.method, route.rule)
 
@@ -734,6 +736,7 @@ class TestAuth:
             refuses_missing_and_wrong_key(make_app(), method, rule)  # a fresh app: no lockout
 
     @pytest.mark.parametrize("route", PUBLIC_ROUTES, ids=route_id)
+    @pytest.mark.slow
     def test_public_routes_need_no_key(self, anon, route):
         resp = anon.request(sample_url(route), method=route.method, expect_errors=True)
         assert resp.status_int != 401, route_id(route)

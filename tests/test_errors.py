@@ -79,6 +79,7 @@ class TestEnvelope:
         resp = anon.get(f"{API}/health", headers={"X-Request-Id": "bad id\x01"})
         assert resp.headers["X-Request-Id"] != "bad id\x01"
 
+    @pytest.mark.slow
     def test_request_log_lines_are_written_together_and_warnings_at_once(self):
         stream = io.StringIO()
         handler = notesvc.BatchedLogHandler(stream)
@@ -161,6 +162,7 @@ class TestEnvelope:
         for name in ("readable", "writable", "handle_read"):
             assert getattr(channel, name) is getattr(waitress.channel.HTTPChannel, name)
 
+    @pytest.mark.slow
     def test_the_state_read_without_its_lock_never_goes_back_in_time(self, tmp_path):
         """Requests read the state without its lock (a stat, then the kept copy): while
         another thread updates it, each reader sees each change once it is written and

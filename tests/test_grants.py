@@ -107,6 +107,7 @@ class TestGrantScopes:
                 assert op.get("x-scope") == (None if r.public else r.scope), route_id(r)
 
     @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
+    @pytest.mark.slow
     def test_a_read_key_is_refused_above_read(self, scope_keys, route):
         wsgi, made = scope_keys
         app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
@@ -118,6 +119,7 @@ class TestGrantScopes:
         assert route.scope in err["message"]
 
     @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
+    @pytest.mark.slow
     def test_a_write_key_is_refused_on_admin_routes(self, scope_keys, route):
         wsgi, made = scope_keys
         app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["write"]})
@@ -346,6 +348,7 @@ class TestFolderGrants:
         return client, as_key(client, key)
 
     @pytest.mark.parametrize(("method", "url", "body"), LISTING_CALLS)
+    @pytest.mark.slow
     def test_a_folder_key_never_sees_outside_its_folder(self, family, method, url, body):
         owner, member = family
         call = (
@@ -465,6 +468,7 @@ class TestFolderGrants:
             "/attachments?folder=attachments%2Ffamily%2F..",
         ],
     )
+    @pytest.mark.slow
     def test_outside_answers_as_if_nothing_were_there(self, family, url):
         _, member = family
         assert_error(member.get(API + url, status=404), 404, "NOT_FOUND")
@@ -591,6 +595,7 @@ class TestFolderGrants:
         everything = data(owner.get(f"{API}/changes?since={mine}"))["changes"]
         assert [c["kind"] for c in everything] == ["moved", "moved", "created"]
 
+    @pytest.mark.slow
     def test_a_waiting_feed_waits_past_changes_it_may_not_see(self, family):
         owner, member = family
         last = data(member.get(f"{API}/changes?since=0"))["last"]
@@ -719,6 +724,7 @@ class TestShareLinks:
             ("[2001:db8::7]", False),
         ],
     )
+    @pytest.mark.slow
     def test_a_link_says_whether_it_opens_only_at_home(self, make_app, host, home):
         client = with_key(make_app(SERVICE_PAIRING_MODE="open-port"))
         put_note(client, "notes/x.md", "x")

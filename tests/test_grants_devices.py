@@ -129,6 +129,7 @@ class TestDevices:
         assert data(client.delete(f"{API}/auth/keys/{got['deviceId']}"))["revoked"]
         assert_error(device.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
 
+    @pytest.mark.slow
     def test_an_admin_device_is_the_owner_but_for_the_key_itself(self, client, anon):
         got = claim(anon, pair(client, scope="admin")["secret"])
         device = with_key(anon, got["key"])
@@ -366,6 +367,7 @@ class TestDevices:
         return made.json["data"]["origin"], made.json["data"]["via"], got
 
     @pytest.mark.parametrize("host", ["127.0.0.1:3000", "localhost:3000", "[::1]:3000"])
+    @pytest.mark.slow
     def test_a_page_on_loopback_draws_the_address_the_banner_gives_phones(self, make_app, host):
         app = make_app(SERVICE_HOST="192.168.1.20", SERVICE_PORT="3000")
         env = {**self.ON_THIS_MACHINE, "HTTP_HOST": host}

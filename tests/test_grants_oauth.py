@@ -129,6 +129,7 @@ class TestOAuth:
             ({"redirect_uris": [CALLBACK], "client_name": ["x"]}, "invalid_client_metadata"),
         ],
     )
+    @pytest.mark.slow
     def test_bad_registrations(self, anon, body, error):
         resp = anon.post_json("/oauth/register", body, status=400)
         oauth_error(resp, 400, error)
@@ -641,6 +642,7 @@ class TestClientMetadataDocuments:
             "https://localhost/client.json",
         ],
     )
+    @pytest.mark.slow
     def test_private_and_loopback_hosts_are_refused(self, anon, url):
         _, challenge = pkce_pair()
         q = urllib.parse.urlencode(

@@ -96,6 +96,7 @@ class TestStructure:
         assert outline.index("people.py") + 1 == outline.index("service.py")
         assert outline.index("web.py") < outline.index("relay.py") < outline.index("http/route.py")
 
+    @pytest.mark.slow
     def test_service_declares_every_attribute_in_init(self, anon):
         """What a later module makes on first use (the task book, WebDAV's state) is
         declared in Service.__init__ too, never attached from below: after those first
@@ -163,6 +164,7 @@ class TestHouse:
         cmd = [sys.executable, self.BUILD, *args, "--root", str(root)]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
+    @pytest.mark.slow
     def test_where_maps_a_line_of_notesvc_py_to_its_source(self):
         lines = Path(NOTESVC).read_text().splitlines()
         asked = [
@@ -184,6 +186,7 @@ class TestHouse:
         ]
         assert self.build("--where", str(len(lines) + 5)).returncode == 1
 
+    @pytest.mark.slow
     def test_the_outline_and_the_seams_are_in_notesvc_py(self):
         """One map: the seams follow MODULES, each carrying its module's summary (the first
         line of its docstring), and the outline ending the file's docstring is made from
@@ -230,6 +233,7 @@ class TestHouse:
                 "each thing it holds, named for it), not by moving pieces to where there is room"
             )
 
+    @pytest.mark.slow
     def test_each_job_has_a_module_of_its_own(self):
         """Code placed by job, not by budget: the index's helper process, MCP, who else gets
         in, the calendar feed and hybrid search each have their module, and the package's
@@ -267,6 +271,7 @@ class TestHouse:
             assert getattr(notesvc.NoteStore, name) is getattr(notesvc.AttachmentStore, name)
             assert name in vars(notesvc.FileTree)
 
+    @pytest.mark.slow
     def test_no_type_checking_block_is_left_empty(self):
         for path in sorted((HERE / "src" / "notesvc").rglob("*.py")):
             for node in ast.parse(path.read_text()).body:
@@ -332,6 +337,7 @@ class TestHouse:
         assert "// one more line" in (tmp_path / "notesvc.py").read_text()
         assert self.build("--check", root=tmp_path).returncode == 0
 
+    @pytest.mark.slow
     def test_the_package_has_every_name_the_file_has(self):
         """Plugins and embedders write `import notesvc`: the same names in both forms."""
         code = (  # the file by its path, or the package from the folder that holds it
@@ -426,6 +432,7 @@ class TestTheTests:
 
     TESTS = HERE / "tests"
 
+    @pytest.mark.slow
     def test_every_test_of_the_one_file_is_still_collected(self):
         """tests/ was cut from one file, test_notesvc.py: each of its 989 Class::test names
         is still a test, under its class and name (a later issue rewrites a test under its
@@ -485,6 +492,7 @@ class TestDocs:
         )
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
+    @pytest.mark.slow
     def test_the_web_sources_are_what_notesvc_py_carries(self):
         """web/ is embedded by .ci/build.py: --check fails on any difference."""
         done = subprocess.run(

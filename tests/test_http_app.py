@@ -687,6 +687,7 @@ class TestEdge:
         assert "waitress" not in resp_body.decode()
         assert resp_headers["x-request-id"]
 
+    @pytest.mark.slow
     def test_body_of_the_largest_size_passes_chunked_and_plain(self, small_bodies):
         server = small_bodies
         key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
@@ -883,6 +884,7 @@ class TestServer:
             )
         )
 
+    @pytest.mark.slow
     def test_module_app_is_built_on_first_use(self, tmp_path):
         code = "import notesvc; print(type(notesvc.app).__name__, notesvc.app is notesvc.app)"
         out = subprocess.run(

@@ -485,6 +485,7 @@ class TestCalDAV:
         reader("PUT", "calendars/all/r.ics", vtodo("r-1", "SUMMARY:x"), status=403)
         assert reader("REPORT", "calendars/all/", sync_body(), status=207)
 
+    @pytest.mark.slow
     def test_a_feed_serves_the_tasks_as_icalendar_behind_its_own_secret(
         self, client, anon, root, caplog
     ):

@@ -79,6 +79,7 @@ class TestDav:
         assert f"<D:getetag>{etag.replace(chr(34), '&quot;')}</D:getetag>" in listed
         assert dav("GET", "notes/trip/plan.md").headers["ETag"] == etag
 
+    @pytest.mark.slow
     def test_a_note_kept_by_get_is_served_as_its_file_is_now(self, dav, root, monkeypatch):
         """GET keeps a note's bytes while its file is unchanged (DavNotes, for speed): an
         edit of the same size with its mtime set back is seen at once, and a link put on
@@ -207,6 +208,7 @@ class TestDav:
             ("", 400),
         ],
     )
+    @pytest.mark.slow
     def test_a_destination_elsewhere_is_refused(self, dav, root, destination, status):
         dav("PUT", "notes/a.md", b"a", status=201)
         for method in ("COPY", "MOVE"):
@@ -592,6 +594,7 @@ class TestDavMisuse:
         other("LOCK", "notes/a.md", b"", status=412, If=f"({token})")  # no refresh either
         assert (root / "notes/a.md").read_bytes() == b"mine"
 
+    @pytest.mark.slow
     def test_one_key_cannot_hold_every_lock_and_the_owner_ends_any(self, client, dav):
         grant = new_grant(client, "write")
         other = Dav(client, grant["key"])

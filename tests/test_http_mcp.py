@@ -245,6 +245,7 @@ class TestMcp:
             ),
         ],
     )
+    @pytest.mark.slow
     def test_malformed_json_rpc_gets_the_specs_codes(self, mcp, body, status, code):
         error = rpc_error(raw_mcp(mcp, body), status, code)
         assert len(error["message"]) < 300
@@ -376,6 +377,7 @@ class TestMcp:
             resp = mcp.request(f"{API}/mcp", method=method, headers=hdr, expect_errors=True)
             rpc_error(resp, 405, -32000)
 
+    @pytest.mark.slow
     def test_the_stream_says_ok_then_a_comment_a_while_and_ends_at_its_time(
         self, make_app, monkeypatch
     ):

@@ -65,6 +65,7 @@ class TestResources:
         assert first["size"] == len(NOTES["notes/garden.md"].encode())
         assert first["annotations"]["lastModified"].endswith("Z")
 
+    @pytest.mark.slow
     def test_pages_of_100_follow_the_cursor_and_forged_cursors_are_refused(self, mcp):
         for i in range(150):
             put_note(mcp, f"notes/many/n{i:03d}.md", f"# N{i}\n")
@@ -85,6 +86,7 @@ class TestResources:
         for method in ("resources/templates/list", "prompts/list", "tools/list"):
             error(mcp, method, {"cursor": "x"})
 
+    @pytest.mark.slow
     def test_stale_cursors(self, mcp, monkeypatch):
         for i in range(120):
             put_note(mcp, f"notes/many/n{i:03d}.md", f"# N{i}\n")
@@ -158,6 +160,7 @@ class TestResources:
             "x" * 5000,
         ],
     )
+    @pytest.mark.slow
     def test_hostile_uris_are_invalid_params(self, mcp, uri):
         assert error(mcp, "resources/read", {"uri": uri})["message"]
 
@@ -303,6 +306,7 @@ class TestPrompts:
             ({"name": "ingest", "arguments": {"source": "x" * 100_001}}, "100,000"),
         ],
     )
+    @pytest.mark.slow
     def test_bad_arguments_are_invalid_params(self, mcp, params, says):
         assert says in error(mcp, "prompts/get", params)["message"]
 

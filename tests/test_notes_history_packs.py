@@ -64,6 +64,7 @@ class TestVersionPacks:
             update(client, "notes/long.md", "# Long\n\n" + "".join(lines))
         return client, svc, now
 
+    @pytest.mark.slow
     def test_a_settled_history_is_packed_to_a_fraction_and_reads_the_same(self, make_app, root):
         client, svc, now = self.edited(make_app)
         before = versions_of(client, "notes/long.md")
@@ -112,6 +113,7 @@ class TestVersionPacks:
                 "# Template\n\nthe same first text\n"
             ]
 
+    @pytest.mark.slow
     def test_retention_drops_packed_versions_and_tidies_the_packs(self, make_app, root):
         client, svc, now = self.edited(make_app, SERVICE_HISTORY_DAYS="1")
         contents = version_contents(client, "notes/long.md")
@@ -442,6 +444,7 @@ class TestVersionPacksOrigins:
         self.move(client)
         assert not any("4711" in t for t in self.family_sees(client, "notes/family/plan.md"))
 
+    @pytest.mark.slow
     def test_a_sweep_racing_a_move_in_keeps_the_origins(self, make_app, root, monkeypatch):
         client, svc, now = self.app(make_app)
         put_note(client, "notes/family/a.md", "# A\n")
@@ -672,6 +675,7 @@ class TestVersionPacksAttacks:
             answers.append(family.post_json(url, body, expect_errors=True).status_int)
         assert answers[0] == answers[1], answers
 
+    @pytest.mark.slow
     def test_a_move_with_a_damaged_packed_row_takes_every_version_along(self, make_app, root):
         client, svc, now = self.app(make_app)
         put_note(client, "notes/a.md", "v0")

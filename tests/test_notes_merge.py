@@ -70,6 +70,7 @@ class TestMerge:
         [c for c in MERGE_CASES if c[1]],
         ids=[c[0] for c in MERGE_CASES if c[1]],
     )
+    @pytest.mark.slow
     def test_merge_over_http(self, client, root, what, base, current, edit, merged):
         url = note_url("notes/m.md")
         start = self.etag_after(client, "notes/m.md", base)

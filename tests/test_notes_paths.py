@@ -17,6 +17,7 @@ from conftest import API, HOSTILE_PATHS, assert_error, data, note_url, notesvc, 
 
 class TestHostilePaths:
     @pytest.mark.parametrize(("path", "rule"), HOSTILE_PATHS)
+    @pytest.mark.slow
     def test_body_path_is_refused_naming_the_rule(self, client, root, path, rule):
         resp = client.post_json(f"{API}/notes", {"path": path, "content": "x"}, status=400)
         assert rule in assert_error(resp, 400, "VALIDATION_ERROR")["message"]

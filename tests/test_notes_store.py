@@ -256,6 +256,7 @@ class TestNotesForPeople:
             ("   ..hidden.  \n", "hidden"),
         ],
     )
+    @pytest.mark.slow
     def test_a_note_without_a_path_is_named_from_its_title(self, client, content, name):
         rec = data(client.post_json(f"{API}/notes", {"content": content}, status=201))
         assert rec["path"] == f"notes/inbox/{name}.md"
@@ -421,6 +422,7 @@ class TestStorageSafety:
     @pytest.mark.parametrize(
         "unit", ["[", "[[", "[](", "](x.md", "[[a#b|c", "[](<a", '[](x "', "`", "```\n", "#1"]
     )
+    @pytest.mark.slow
     def test_link_and_tag_scans_grow_linearly(self, unit):
         resolver = notesvc.LinkResolver(["notes/x.md", "notes/a.md"])
 
@@ -452,6 +454,7 @@ class TestStorageSafety:
         assert resolver.links(far + " [[a]]", "notes/s.md") == set()
         assert notesvc.note_tags(far + " #late") == set()
 
+    @pytest.mark.slow
     def test_huge_bracket_notes_link_move_and_search_fast(self, make_app):
         client = with_key(make_app(SERVICE_MAX_BODY_BYTES=str(4 * MiB)))
         put_note(client, "notes/target.md", "# Target\n\nzebra")
@@ -654,6 +657,7 @@ class TestStorageSafety:
         client.get(f"{API}/notes?limit=1001", status=400)
         client.get(f"{API}/search?q=x&limit=101", status=400)
 
+    @pytest.mark.slow
     def test_path_patterns_admit_only_paths_the_server_accepts(self):
         import unicodedata
 

@@ -218,6 +218,7 @@ class TestAttachments:
             ),
         ],
     )
+    @pytest.mark.slow
     def test_multipart_refusals(self, client, root, body, ctype, status):
         resp = post_form(client, body, ctype, status)
         assert_error(

@@ -372,6 +372,7 @@ class TestChanges:
         put_note(again, "notes/c.md", "c")
         assert feed(again, since=2)["changes"][0]["seq"] == 3
 
+    @pytest.mark.slow
     def test_with_history_off_a_rebuilt_index_resets_the_feed(self, make_app, root):
         client = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="0"))
         put_note(client, "notes/a.md", "a")

@@ -298,6 +298,7 @@ class TestAUnwillingCa:
         with pytest.raises(notesvc.AcmeError, match="cannot be reached"):
             client.obtain(NAME, lambda v: None, lambda: None)
 
+    @pytest.mark.slow
     def test_a_ca_that_never_answers(self, tmp_path):
         ca = StandInCa(hang=True)
         try:
@@ -324,6 +325,7 @@ class TestAUnwillingCa:
         assert published == []
         assert [p for m, p in ca.seen if m == "POST"] == ["/newAccount", "/newOrder"]
 
+    @pytest.mark.slow
     def test_a_directory_that_is_not_acme(self, tmp_path):
         class NotAcme(http.server.BaseHTTPRequestHandler):
             def log_message(self, *args):

@@ -82,11 +82,13 @@ class TestPeople:
         )
         assert_error(add_person(client, "Eve", home="notes/people", status=409), 409, "CONFLICT")
 
+    @pytest.mark.slow
     def test_at_most_fifty_people(self, client):
         for i in range(50):
             add_person(client, f"p{i}")
         assert_error(add_person(client, "one more", status=409), 409, "CONFLICT")
 
+    @pytest.mark.slow
     def test_a_person_and_their_first_pairing_are_one_write_and_a_refusal_adds_no_one(
         self, client, root, monkeypatch
     ):
@@ -270,6 +272,7 @@ class TestReach:
             f"{API}/auth/keys", {"name": "k", "scope": "read", "folder": "notes/x"}, status=404
         )
 
+    @pytest.mark.slow
     def test_removing_a_person_ends_their_keys_at_once_in_every_thread(self, client, anon):
         ann, as_ann = device_of(client, anon, "Ann")
         put_note(as_ann, "notes/Ann/a.md", "mine")

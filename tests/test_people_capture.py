@@ -77,6 +77,7 @@ class TestFileTextAcrossReach:
 
 
 class TestReaderLineAcrossReach:
+    @pytest.mark.slow
     def test_the_reader_line_counts_the_files_a_person_reaches_and_names_none_else(
         self, client, anon
     ):

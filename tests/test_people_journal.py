@@ -483,6 +483,7 @@ class TestPeopleChats:
         self.send(h, "where are the spare keys?", 42)
         assert "flowerpot" in upstream.sent()[-1]
 
+    @pytest.mark.slow
     def test_a_photo_from_a_persons_chat_lands_in_their_home(self, home, upstream):
         h = home
         self.link(h, h.as_ann, 77)
@@ -730,6 +731,7 @@ class TestPeopleFeedBadInput:
             "limit=x",
         ],
     )
+    @pytest.mark.slow
     def test_a_bad_cursor_is_400_for_a_person_too(self, house, query):
         _owner, _ann, as_ann, _bob, _ = house
         assert_error(as_ann.get(f"{API}/changes?{query}", status=400), 400, "VALIDATION_ERROR")

@@ -512,6 +512,7 @@ class TestPeopleExportImport:
         assert manifest["folders"] == ["notes/Ann", "notes/Family"]
         assert "notes/owner/diary.md" in zip_names(client.get(f"{API}/export.zip"))
 
+    @pytest.mark.slow
     def test_an_import_lands_in_the_home_or_a_folder_they_write(self, client, house, root):
         ann, bob = house
         files = zip_of({"vault/a.md": "# A\n\nalpha", "vault/b.md": "# B\n\nbeta"})
@@ -607,6 +608,7 @@ class TestPeopleBadInput:
             "notes/Ann/" + "x" * 600,
         ],
     )
+    @pytest.mark.slow
     def test_hostile_folder_paths_in_members_are_4xx_never_500(self, client, house, raw):
         ann, bob = house
         body = {"members": [{"person": bob.id, "scope": "read"}]}
@@ -654,6 +656,7 @@ class TestPeopleBadInput:
             (b'{"members": [' + b'{"person": "p_x", "scope": "read"},' * 60 + b"{}]}", 400),
         ],
     )
+    @pytest.mark.slow
     def test_broken_member_bodies_are_400(self, house, body, status):
         ann, _ = house
         resp = ann.api.put(

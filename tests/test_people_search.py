@@ -115,6 +115,7 @@ class TestWords:
     )
 
     @pytest.mark.parametrize("q", QUERIES)
+    @pytest.mark.slow
     def test_every_query_finds_the_reach_only_in_hits_counts_and_snippets(self, house, q):
         mine = search(house.as_ann, q, limit=100)
         every = search(house.owner, q, limit=100)
@@ -159,6 +160,7 @@ class TestWords:
             "n" * 5000,
         ],
     )
+    @pytest.mark.slow
     def test_a_folder_outside_the_reach_is_not_there(self, house, folder):
         resp = search(house.as_ann, "zucchini", status="*", folder=folder)
         assert resp.status_int in (400, 404), (folder, resp.status)
@@ -180,6 +182,7 @@ class TestWords:
             ({"q": "-zucchini"}, "VALIDATION_ERROR"),
         ],
     )
+    @pytest.mark.slow
     def test_bad_input_is_a_clear_4xx(self, house, params, code):
         query = urllib.parse.urlencode(params)
         resp = house.as_ann.get(f"{API}/search?{query}", status="*")
@@ -255,6 +258,7 @@ def meaning_house(make_app, embed_endpoint):
 
 class TestMeaning:
     @pytest.mark.parametrize("mode", ["semantic", "hybrid"])
+    @pytest.mark.slow
     def test_meaning_finds_the_reach_only(self, meaning_house, mode):
         ann = meaning_house.as_ann
         for q in ("car repair", "automobile mechanic", "zucchini", "quokka", "garden tomatoes"):
@@ -502,6 +506,7 @@ class TestMcp:
             text="- jam",
         )
 
+    @pytest.mark.slow
     def test_a_person_without_mcp_writes_or_with_a_read_key_gets_no_write_tool(
         self, make_app, tmp_path
     ):
@@ -605,6 +610,7 @@ class TestConnector:
     @pytest.mark.parametrize(
         "folder", ["notes/owner", "notes/Bob", "notes/Familyx", "notes/Family/../owner", "notes"]
     )
+    @pytest.mark.slow
     def test_a_connector_is_never_given_a_folder_outside_the_reach(self, house, folder):
         cid = register_client(house.anon)["client_id"]
         resp = approve_as(house.as_ann, cid, folder=folder, status="*")
@@ -662,6 +668,7 @@ class TestConnector:
             (b'{"x": "' + b"y" * 2_000_000 + b'"}', 413),
         ],
     )
+    @pytest.mark.slow
     def test_a_bad_approval_is_a_clear_4xx(self, house, body, status):
         resp = house.as_ann.post(
             f"{API}/oauth/approve", body, {"Content-Type": "application/json"}, status="*"

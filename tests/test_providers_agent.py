@@ -99,6 +99,7 @@ class TestAgent:
             ({"message": "hi", "notePath": "notes/missing.md"}, 404),
         ],
     )
+    @pytest.mark.slow
     def test_chat_validation(self, app, body, status):
         resp = app().post_json(f"{API}/agent/chat", body, status=status)
         assert_error(resp, status, "VALIDATION_ERROR" if status == 400 else "NOT_FOUND")
@@ -184,6 +185,7 @@ class TestAgent:
             ("slow", 504, "UPSTREAM_TIMEOUT"),
         ],
     )
+    @pytest.mark.slow
     def test_openai_failures(self, app, upstream, setup, status, code):
         base = upstream.url + "/v1"
         if setup == "http500":
@@ -368,6 +370,7 @@ class TestAgentTools:
         assert "only heirloom tomatoes" in sent["messages"][0]["content"]
         assert d["sources"][0]["path"] == "notes/garden/decisions.md"
 
+    @pytest.mark.slow
     def test_a_server_refusing_tools_gets_one_call_without_them(self, agent):
         client, model = agent()
         model.refuse_tools = True

@@ -69,6 +69,7 @@ class TestTelegramConnect:
         assert_error(resp, 502, "UPSTREAM_ERROR")
         assert data(client.get(f"{API}/channels"))["channels"] == []
 
+    @pytest.mark.slow
     def test_the_first_chat_to_send_the_code_is_the_only_one_allowed(self, tg):
         client, upstream = tg
         made = self.connect(client)
@@ -121,6 +122,7 @@ class TestTelegramConnect:
         wait_for(lambda: "boundChat" in data(client.get(url)))
         assert data(client.get(url))["config"]["allowedChatIds"] == ["43"]
 
+    @pytest.mark.slow
     def test_a_chat_a_device_allowed_ends_with_the_device(self, tg, root):
         """T5 for chats put on an allowlist by a config (not a code): the device's chat is
         refused once the device has expired, and unbound when it is revoked; the owner's
@@ -262,6 +264,7 @@ class TestChannels:
             {"provider": "web", "name": "x" * 101},
         ],
     )
+    @pytest.mark.slow
     def test_create_validation(self, client, body):
         resp = client.post_json(f"{API}/channels", body, status=400)
         assert_error(resp, 400, "VALIDATION_ERROR")
@@ -411,6 +414,7 @@ class TestChannels:
         assert upstream.requests == []
 
     @pytest.mark.parametrize("name", list(notesvc.CHANNEL_PROVIDERS))
+    @pytest.mark.slow
     def test_every_channel_provider_handles_a_text_update(self, client, upstream, name):
         assert name in UPDATES, f"add a sample update of channel provider {name} to UPDATES"
         assert name in MINIMAL_CONFIG, f"add channel provider {name} to MINIMAL_CONFIG"
@@ -527,6 +531,7 @@ class TestChannels:
             pytest.param(b'{"name": "' + b"x" * 1_100_000 + b'"}', 413, id="huge-body"),
         ],
     )
+    @pytest.mark.slow
     def test_patch_validation(self, client, root, body, status):
         ch = self.create(client, "telegram", allowedChatIds=[42])
         url = f"{API}/channels/{ch['id']}"
@@ -713,6 +718,7 @@ class TestPolling:
         wait_for(lambda: pollers.running() == [], timeout=10)
         assert upstream.webhook["secret_token"] == ch["secret"]
 
+    @pytest.mark.slow
     def test_switching_to_webhook_mode_keeps_the_webhook_from_the_stopping_poller(
         self, client, upstream
     ):

@@ -234,6 +234,7 @@ class TestSniff:
         jpeg = b"\xff\xd8\xff\xe0\x00\x04ab\xff\xc0\x00\x11\x08" + struct.pack(">HH", 300, 200)
         assert notesvc.image_size(io.BytesIO(jpeg + b"\0" * 20), "jpeg") == (200, 300)
 
+    @pytest.mark.slow
     def test_a_tool_runs_without_a_shell_and_is_stopped_at_its_limit(self, tmp_path):
         import notesvc
 

@@ -233,6 +233,7 @@ class TestSearch:
     @pytest.mark.parametrize("small", [False, True])  # the split looks 200 characters in
     @pytest.mark.parametrize("split_up_to", [2000, 50])  # 50: both ways in one text
     @pytest.mark.parametrize("ascii_only", [False, True])
+    @pytest.mark.slow
     def test_a_snippet_finds_the_token_where_a_tokenizer_would(
         self, monkeypatch, ascii_only, split_up_to, small
     ):

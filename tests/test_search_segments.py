@@ -164,6 +164,7 @@ class TestPhrasePairs:
         return notes, seg
 
     @pytest.mark.parametrize("spill", [None, 37])
+    @pytest.mark.slow
     def test_phrases_from_pair_lists_answer_like_brute_force(
         self, disk_index, tmp_path, monkeypatch, spill
     ):
@@ -185,6 +186,7 @@ class TestPhrasePairs:
             assert_answers_like(disk_index, ref, q)
 
     @pytest.mark.parametrize("spill", [None, 37])
+    @pytest.mark.slow
     def test_a_pair_list_is_exactly_the_notes_holding_the_pair(
         self, disk_index, tmp_path, monkeypatch, spill
     ):
@@ -211,6 +213,7 @@ class TestPhrasePairs:
         for a, b in itertools.product(middle, middle):  # neither among the commonest
             assert seg.pair_ids([terms[a], terms[b]], 0) is None
 
+    @pytest.mark.slow
     def test_a_file_without_pair_lists_still_answers_phrases(self, disk_index, tmp_path):
         notes, seg = self.build(disk_index, tmp_path)
         queries = phrase_queries(random.Random(6), notes, seg)
@@ -233,6 +236,7 @@ class TestPhrasePairs:
         finally:
             index.close()
 
+    @pytest.mark.slow
     def test_a_big_file_without_pair_lists_is_written_again_once(
         self, disk_index, tmp_path, monkeypatch
     ):
@@ -308,6 +312,7 @@ class TestPhrasePairs:
         assert (total, [h[0] for h in hits]) == (1, ["notes/rare.md"])
         assert max(checked) == 1  # from zebra's one note, not the 601 holding "of the"
 
+    @pytest.mark.slow
     def test_a_failed_rewrite_waits_and_other_settings_files_are_left_to_merges(
         self, disk_index, tmp_path, monkeypatch
     ):
@@ -348,6 +353,7 @@ class TestPhrasePairs:
         finally:
             index.close()
 
+    @pytest.mark.slow
     def test_a_list_naming_a_note_past_the_file_is_not_trusted(self, disk_index, tmp_path):
         notes, seg = self.build(disk_index, tmp_path)
         words = ["w0x", "w1x"]
@@ -375,6 +381,7 @@ class TestPhrasePairs:
             index.close()
 
     @pytest.mark.parametrize("damage", ["bounds", "offsets", "torn"])
+    @pytest.mark.slow
     def test_damaged_pair_lists_drop_the_file_and_its_notes_are_read_again(
         self, disk_index, tmp_path, damage
     ):
@@ -615,6 +622,7 @@ class TestSearchSegments:
             assert_answers_like(again.index, ref, q)
         again.close()
 
+    @pytest.mark.slow
     def test_deleted_counts_are_four_bytes_a_term_and_come_back_after_a_restart(
         self, make_app, root
     ):
@@ -671,6 +679,7 @@ class TestSearchSegments:
         assert (bytes(made[0]), made[1], bytes(made[2])) == listed
         assert notesvc._text_table(notesvc._StringTable())[1].tolist() == [0]
 
+    @pytest.mark.slow
     def test_a_first_build_starts_its_helper_during_the_scan_and_a_small_one_none(
         self, root, tmp_path, caplog
     ):
@@ -698,6 +707,7 @@ class TestSearchSegments:
             big.close()
         assert big._merger is None
 
+    @pytest.mark.slow
     def test_a_merge_the_helper_cannot_write_is_written_by_the_server(self, root, tmp_path, caplog):
         """The helper opens the segment files by name; one gone from the folder (the index
         still has it mapped) makes it fail: the index merges it itself, nothing lost."""
@@ -728,6 +738,7 @@ class TestSearchSegments:
             index.close()
         assert index._merger is None
 
+    @pytest.mark.slow
     def test_full_disk_while_writing_a_segment_keeps_serving(self, tmp_path, caplog):
         if os.geteuid() != 0 or not shutil.which("mount"):
             pytest.skip("mounting a small tmpfs needs root")

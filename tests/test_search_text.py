@@ -10,6 +10,7 @@ from conftest import API, HERE, hits, notesvc, put_note, search
 
 
 class TestTokenizer:
+    @pytest.mark.slow
     def test_doctests(self):
         import doctest
 

@@ -224,6 +224,7 @@ class TestVectorStore:
         return sorted(best, key=lambda p: -best[p])
 
     @pytest.mark.parametrize("vectorised", [False, True])
+    @pytest.mark.slow
     def test_the_nearest_notes_match_exact_search(self, tmp_path, vectorised):
         if vectorised:
             pytest.importorskip("numpy")
@@ -251,6 +252,7 @@ class TestVectorStore:
         assert store.nearest(vectors[42], folder="notes/none") == []
         store.close()
 
+    @pytest.mark.slow
     def test_both_scans_give_the_same_answer_and_numpy_without_bitwise_count(self, tmp_path):
         np = pytest.importorskip("numpy")
         drawn = clustered_vectors(1505, 64)
@@ -430,6 +432,7 @@ class TestEmbeddings:
         assert config["embedKeySet"] is True
         assert "sk-abc" not in json.dumps(config)
 
+    @pytest.mark.slow
     def test_snippet_comes_from_the_best_chunk(self, make_app, embed_endpoint):
         client = with_key(make_app(**embed_env(embed_endpoint)))
         body = "# Trip\n\n## Packing\n\nSocks, a jumper, the charger.\n\n## The puppy\n\n" + (
@@ -444,6 +447,7 @@ class TestEmbeddings:
         assert "Socks" not in top["snippet"]
         assert len(top["snippet"]) <= 200
 
+    @pytest.mark.slow
     def test_batches_hold_at_most_64_chunks(self, make_app, embed_endpoint, root):
         write_notes(root, {f"notes/n{i:03}.md": f"# Note {i}\n\nword{i} text" for i in range(150)})
         client = with_key(make_app(**embed_env(embed_endpoint)))
@@ -452,6 +456,7 @@ class TestEmbeddings:
         assert max(sizes) == 64
         assert sum(sizes) == 150 + 1
 
+    @pytest.mark.slow
     def test_an_edit_embeds_only_its_changed_chunk_and_a_move_nothing(
         self, meaning, embed_endpoint
     ):
@@ -483,6 +488,7 @@ class TestEmbeddings:
         assert embedded(meaning)["total"] == 3
 
     @pytest.mark.parametrize("how", ["500", "html", "nan", "count", "huge", "empty", "redirect"])
+    @pytest.mark.slow
     def test_a_failing_endpoint_never_fails_a_search(self, meaning, embed_endpoint, how):
         embed_endpoint.how = how
         d = search(meaning, "car repair")
@@ -499,6 +505,7 @@ class TestEmbeddings:
         search(meaning, "car repair")
         assert len(embed_endpoint.calls) == calls
 
+    @pytest.mark.slow
     def test_a_slow_or_trickling_endpoint_costs_a_search_at_most_the_budget(
         self, meaning, embed_endpoint
     ):

@@ -61,6 +61,7 @@ class TestConfig:
         fields = {f.name for f in notesvc.dataclasses.fields(notesvc.Config)}
         assert {s.name for s in notesvc.SETTINGS} == fields
 
+    @pytest.mark.slow
     def test_importing_the_module_creates_no_files(self, tmp_path):
         code = "import notesvc, os; print(sorted(os.listdir('.')))"
         out = subprocess.run(

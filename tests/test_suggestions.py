@@ -251,6 +251,7 @@ class TestAcceptAndReject:
         )
         assert data(resp)["note"]["content"].endswith("- kale\n")
 
+    @pytest.mark.slow
     def test_the_201st_rejects_the_oldest_and_says_so(self, suggesting, monkeypatch):
         first = suggested(suggesting, "create_note", path="notes/n0.md", content="0")
         store = suggesting.app.service.suggestions

@@ -254,6 +254,7 @@ class TestTools:
             "notes/link/secret.md",
         ],
     )
+    @pytest.mark.slow
     def test_hostile_paths_are_refused_by_every_tool(self, tools, root, tmp_path, path):
         outside = tmp_path / "outside"
         outside.mkdir(exist_ok=True)
@@ -648,6 +649,7 @@ class TestTools:
         client.get(note_url("notes/idea.md"), status=404)
         tool_refused(client, "reject_suggestion", "NOT_FOUND", id="nope")
 
+    @pytest.mark.slow
     def test_every_structured_result_matches_its_output_schema(self, tools, make_app, tmp_path):
         jsonschema = pytest.importorskip("jsonschema")
         versions = self.history(tools)

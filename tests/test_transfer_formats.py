@@ -150,6 +150,7 @@ def note_text(root: Path, path: str) -> str:
 class TestImport:
     """POST /import: each source's notes as Markdown, never over anything, refusals first."""
 
+    @pytest.mark.slow
     def test_keep_takeout(self, client, root):
         report = import_file(client, zip_of(KEEP_TAKEOUT), "takeout-20231105.zip")
         assert report["into"] == "notes/imported/keep"
@@ -177,6 +178,7 @@ class TestImport:
         kinds = [c["kind"] for c in feed(client)["changes"]]
         assert kinds.count("created") == 3
 
+    @pytest.mark.slow
     def test_a_keep_picture_the_takeout_lacks_is_named_and_never_a_dangling_link(
         self, client, root
     ):
@@ -219,6 +221,7 @@ class TestImport:
         ok = import_file(client, zip_of(KEEP_TAKEOUT), "takeout.zip", status=200, dryRun=True)
         assert (ok["missing"], len(ok["skipped"])) == (0, 2)  # the trashed and the broken note
 
+    @pytest.mark.slow
     def test_a_dry_run_reports_the_same_and_writes_nothing(self, client, root):
         body = zip_of(KEEP_TAKEOUT)
         dry = import_file(client, body, "takeout.zip", status=200, dryRun=True)
@@ -229,6 +232,7 @@ class TestImport:
         real = import_file(client, body, "takeout.zip")
         assert {**dry, "dryRun": False} == real
 
+    @pytest.mark.slow
     def test_never_overwrites_a_taken_name(self, client, root):
         client.post_json(
             f"{API}/notes", {"path": "notes/imported/keep/Groceries.md", "content": "mine\n"}
@@ -243,6 +247,7 @@ class TestImport:
         trip = note_text(root, "notes/imported/keep/Lisbon trip 2.md")
         assert "(../../../attachments/imported/keep/1a2b3c4d%202.png)" in trip
 
+    @pytest.mark.slow
     def test_evernote_enex(self, client, root):
         report = import_file(client, enex_export(), "My Notes.enex", into="notes/from evernote")
         assert (report["created"], report["attachments"], report["kind"]) == (2, 1, "evernote")
@@ -283,6 +288,7 @@ class TestImport:
             "- [x] Old style\n"
         )
 
+    @pytest.mark.slow
     def test_enex_entities_and_dtds(self, client, root):
         bomb = (
             '<?xml version="1.0"?><!DOCTYPE en-export [<!ENTITY a "aaaaaaaaaa">'
@@ -320,6 +326,7 @@ class TestImport:
         )
         assert not (root / f"{base}/Projects/Tasks_all.md").exists()
 
+    @pytest.mark.slow
     def test_obsidian_vault(self, client, root):
         client.post_json(
             f"{API}/notes", {"path": "notes/imported/obsidian/Ideas.md", "content": "x\n"}
@@ -337,6 +344,7 @@ class TestImport:
         assert note_text(root, f"{base}/plain.md") == "just text\n"
         assert (root / "attachments/imported/obsidian/assets/pic.png").read_bytes() == TINY_PNG
 
+    @pytest.mark.slow
     def test_joplin_jex(self, client, root):
         report = import_file(client, tar_of(JOPLIN_JEX), "export.jex")
         assert report["kind"] == "joplin"
@@ -369,6 +377,7 @@ class TestImport:
         assert "Same 2.md" in names  # one name on a case-blind disk (Finder, Windows)
         assert any(len(n.encode()) <= 255 and n.startswith("xxxx") for n in names)
 
+    @pytest.mark.slow
     def test_a_notesvc_export_comes_back_byte_for_byte(self, client, root, make_app, tmp_path):
         client.post_json(f"{API}/notes", {"path": "notes/a/b.md", "content": "# B\r\n\r\ncrlf\r\n"})
         client.post_json(f"{API}/notes", {"path": "notes/ünï/ç.md", "content": "\ufeffbom\n"})
@@ -393,6 +402,7 @@ class TestImport:
         before = {k: v for k, v in all_files(root).items()}
         assert all_files(tmp_path / "other") == before
 
+    @pytest.mark.slow
     def test_a_folder_grant_imports_and_exports_its_folder_only(self, client, anon, root):
         client.post_json(f"{API}/notes", {"path": "notes/other/x.md", "content": "not yours\n"})
         rec = new_grant(client, "write", "notes/family")
@@ -418,6 +428,7 @@ class TestImport:
         "name",
         ["../evil.md", "/etc/evil.md", "C:/evil.md", "a/../../evil.md", "..\\evil.md"],
     )
+    @pytest.mark.slow
     def test_zip_slip_is_refused_whole(self, client, root, name):
         body = zip_of({"good.md": "fine\n", name: "evil\n"})
         resp = import_file(client, body, "slip.zip", status=400)
@@ -425,6 +436,7 @@ class TestImport:
         assert not (root / "notes/imported").exists()
         assert not (root.parent / "evil.md").exists()
 
+    @pytest.mark.slow
     def test_links_in_archives_are_refused(self, client, root):
         resp = import_file(
             client, zip_of({"a.md": "x\n"}, {"link.md": "/etc/passwd"}), "l.zip", status=400
@@ -436,6 +448,7 @@ class TestImport:
         assert "link" in resp["error"]["message"]
         assert not (root / "notes/imported").exists()
 
+    @pytest.mark.slow
     def test_zip_bombs_are_refused(self, client, make_app, tmp_path):
         bomb = zip_of({"a.md": "fine\n", "zeros.md": b"\0" * (8 << 20)})
         resp = import_file(client, bomb, "bomb.zip", status=413)
@@ -448,6 +461,7 @@ class TestImport:
     # S3 / S4 of the third attack (issue 40): an archive is bounded as a whole, and an entry
     # that cannot be read is 400, never 500; a refusal writes nothing, dry run or not.
 
+    @pytest.mark.slow
     def test_entries_sharing_one_local_file_are_refused(self, client, root):
         body = ("a note of ordinary length\n" * 80).encode()
         one = {"name": "a.md", "data": body, "crc": zlib.crc32(body), "size": len(body)}
@@ -460,6 +474,7 @@ class TestImport:
             assert "share their bytes" in resp["error"]["message"]
         assert_nothing_imported(client, root)
 
+    @pytest.mark.slow
     def test_many_small_entries_of_one_letter_are_refused_whole(self, client, root):
         bomb = letters_zip(300, 900 << 10)  # 300 KB expanding to 270 MB; no entry over 1 MiB
         for dry in (True, False):
@@ -472,6 +487,7 @@ class TestImport:
         fine = letters_zip(3, 300 << 10)  # under a mebibyte in all: imported
         assert import_file(client, fine, "fine.zip")["created"] == 3
 
+    @pytest.mark.slow
     def test_a_header_that_lies_about_the_size_is_refused(self, client, root):
         real = b"a" * (4 << 20)
         lie = {"name": "big.md", "data": deflated(real), "method": 8, "size": 100}
@@ -495,6 +511,7 @@ class TestImport:
         ],
         ids=["name", "crc", "deflate", "method", "encrypted", "truncated"],
     )
+    @pytest.mark.slow
     def test_an_unreadable_entry_is_400_not_500(self, client, root, member):
         body = b"fine\n"
         good = {"name": "a.md", "data": body, "crc": zlib.crc32(body), "size": len(body)}
@@ -511,6 +528,7 @@ class TestImport:
             assert err["message"].startswith("nothing was imported: the file is not a readable zip")
         assert_nothing_imported(client, root)
 
+    @pytest.mark.slow
     def test_jex_tars_are_bounded_as_a_whole(self, client, root):
         import tarfile
 
@@ -536,6 +554,7 @@ class TestImport:
         assert "not a readable tar" in resp["error"]["message"]
         assert_nothing_imported(client, root)
 
+    @pytest.mark.slow
     def test_a_directory_pointing_before_the_archive_is_400(self, client, root):
         """A central directory whose recorded offset lies past where it is makes zipfile
         place every local header before the file's start (a negative offset): 400."""
@@ -558,6 +577,7 @@ class TestImport:
         assert_nothing_imported(client, root)
 
     @pytest.mark.parametrize("pack", ["gz", "bz2", "xz"])
+    @pytest.mark.slow
     def test_a_compressed_tars_headers_are_bounded_too(self, client, root, pack):
         """A pax header (or a GNU long name) is read whole into memory: in a compressed
         tar, 40 MiB of one letter packs into a few hundred bytes. The tar as it unpacks is
@@ -578,6 +598,7 @@ class TestImport:
             assert "more than 100 times its" in resp["error"]["message"]
         assert_nothing_imported(client, root)
 
+    @pytest.mark.slow
     def test_an_import_leaving_the_disk_under_its_margin_is_507(self, make_app, root, monkeypatch):
         import collections
 
@@ -608,6 +629,7 @@ class TestImport:
         disk[:] = [usage(gib, gib - 60 * mib, 60 * mib)]
         assert import_file(huge, body, "b.zip", into="notes/b")["created"] == 1
 
+    @pytest.mark.slow
     def test_an_upload_over_the_limit(self, make_app):
         small = with_key(make_app(SERVICE_MAX_IMPORT_BYTES="2048"))
         resp = import_file(small, os.urandom(4096), "x.zip", status=413)
@@ -617,6 +639,7 @@ class TestImport:
         )
         assert "SERVICE_MAX_IMPORT_BYTES" in resp.json["error"]["message"]
 
+    @pytest.mark.slow
     def test_bad_input(self, client, root):
         assert import_file(client, b"hello", "x.exe", status=415)["error"]["code"] == (
             "UNSUPPORTED_MEDIA_TYPE"

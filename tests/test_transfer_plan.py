@@ -135,6 +135,7 @@ class TestImportBounds:
         assert resp["error"]["code"] == notesvc.STATUS_CODES[status]
         return resp["error"]["message"]
 
+    @pytest.mark.slow
     def test_import_of_more_entries_than_the_setting_is_refused_by_the_end_record(
         self, make_app, root
     ):
@@ -156,6 +157,7 @@ class TestImportBounds:
         assert_nothing_imported(client, root)
         assert import_file(client, empty_entries_zip(100), "n.zip")["created"] == 100
 
+    @pytest.mark.slow
     def test_import_of_a_zip_whose_end_record_understates_its_entries_counts_its_directory(
         self, make_app, root
     ):
@@ -180,6 +182,7 @@ class TestImportBounds:
         assert "the zip's directory takes 904 bytes, more than 320 for each of the 2" in said
         assert not (other / "notes/imported").exists()
 
+    @pytest.mark.slow
     def test_import_of_a_tar_an_enex_or_a_folder_past_the_setting_is_refused_unwritten(
         self, make_app, root, tmp_path
     ):
@@ -209,6 +212,7 @@ class TestImportBounds:
         assert refused.value.status_code == 413
         assert "the folder holds more than 6 entries" in refused.value.message
 
+    @pytest.mark.slow
     def test_import_plans_keep_little_of_each_entry(self, client, tmp_path):
         """The attack's dry run of 200,000 empty notes took 480 MB: the plan kept several
         objects and copies a note. Now a note costs under 1.6 KB of Python heap at the
@@ -234,6 +238,7 @@ class TestImportBounds:
                 break
         assert min(peaks) < 5_000 * 1600, f"{min(peaks) / 5_000:.0f} bytes a note"
 
+    @pytest.mark.slow
     def test_import_of_an_enex_note_over_the_size_limit_holds_little_of_it(
         self, client, root, tmp_path
     ):
@@ -262,6 +267,7 @@ class TestImportBounds:
         assert list(all_files(root)) == ["notes/imported/evernote/Small.md"]
 
     @pytest.mark.parametrize("where", ["attribute", "comment"])
+    @pytest.mark.slow
     def test_import_of_an_enex_holding_a_giant_token_is_refused(self, client, root, where):
         """expat holds a tag (its attributes) or a comment whole, where text and CDATA flow
         in pieces: one of over 4 MiB is refused before it grows further."""
@@ -281,6 +287,7 @@ class TestImportBounds:
             assert "a tag, comment or declaration of over 4 MiB" in said
         assert_nothing_imported(client, root)
 
+    @pytest.mark.slow
     def test_import_room_counts_the_history_copy_and_the_index(self, make_app, root, monkeypatch):
         """T11: on a 64 MB disk the check passed on the notes' declared sizes, then the
         history's copy of each note filled the disk. Each note now counts its file in whole
@@ -329,6 +336,7 @@ class TestImportBounds:
         monkeypatch.setattr(notesvc.NoteStore, "create", create)
         return asked
 
+    @pytest.mark.slow
     def test_import_failing_midway_takes_back_what_it_wrote(self, client, root, monkeypatch):
         """T11: the disk filled at the 25th of 25 notes and the answer said "nothing was
         changed" over the 24 written. Now what the import wrote is removed again (no trash,
@@ -359,6 +367,7 @@ class TestImportBounds:
         again = import_file(client, zip_of(KEEP_TAKEOUT), "t.zip")
         assert (again["created"], again["attachments"], again["renamed"]) == (3, 1, 0)
 
+    @pytest.mark.slow
     def test_import_taking_back_its_writes_leaves_a_note_edited_meanwhile(
         self, client, root, monkeypatch
     ):

@@ -126,6 +126,7 @@ class TestHtmlToMarkdown:
         "unit",
         ["<a", "<!", '<a "', "<div>x", "<b>x", "<a href=//a.b>x", "<ul><li>x", "x<br>"],
     )
+    @pytest.mark.slow
     def test_a_page_of_one_hostile_shape_costs_what_a_plain_page_does(self, unit):
         # Unterminated tags were searched again from every later "<", and each open element
         # copied all it held when it closed: 400 KB of "<a" took half an hour, of "<div>x"
@@ -333,6 +334,7 @@ class TestClip:
         resp = client.post_json(CLIP, {"url": "https://e.x/", "html": big}, status=413)
         assert_error(resp, 413, "PAYLOAD_TOO_LARGE")
 
+    @pytest.mark.slow
     def test_a_page_whose_markdown_would_be_too_large_is_413_and_keeps_no_image(self, client, root):
         # 16 quotes deep, each line of "x<br>" becomes 36 bytes: 5 MB of page, 37 MB of note
         page = '<img src="https://e.x/i.png">' + "<blockquote>" * 20 + "x<br>" * 1_000_000
