@@ -29264,8 +29264,14 @@ dialog .list .held li {
   padding: 0;
 }
 /* suggestions (web/suggestions.js): the badge and each one's diff */
-.badge { background: #1f6feb; color: #fff; border: 0; border-radius: 999px; padding: 4px 12px; min-height: 32px; }
-pre.diff { font-size: 12px; max-height: 40vh; overflow: auto; margin: 6px 0; padding: 4px 0; border: 1px solid #8884; border-radius: 6px; }
+.badge {
+  background: #1f6feb; color: #fff; border: 0; border-radius: 999px; padding: 4px 12px;
+  min-height: 32px;
+}
+pre.diff {
+  font-size: 12px; max-height: 40vh; overflow: auto; margin: 6px 0; padding: 4px 0;
+  border: 1px solid #8884; border-radius: 6px;
+}
 pre.diff span { display: block; padding: 0 8px; white-space: pre-wrap; overflow-wrap: anywhere; }
 pre.diff .add { color: #1a7f37; background: #1a7f3714; }
 pre.diff .del { color: #cf222e; background: #cf222e14; }
@@ -34660,7 +34666,9 @@ SW_JS = r"""
 // where the page reads and writes them; this worker only adds shared items to the outbox.
 
 const APP = "notesvc-app";
-const SHELL = ["./", "manifest.webmanifest", "icon.svg", "icon-192.png", "icon-512.png", "record.js"];
+const SHELL = [
+  "./", "manifest.webmanifest", "icon.svg", "icon-192.png", "icon-512.png", "record.js",
+];
 
 self.addEventListener("install", (event) => {
   event.waitUntil(caches.open(APP).then((cache) => cache.addAll(SHELL)));
@@ -37487,8 +37495,10 @@ CLIP_JS = r"""
       JSON.stringify(target) +
       ',O=new URL(T).origin,w=window.open(T,"notesvc-clip","width=460,height=640");' +
       'if(!w){alert("notesvc: allow pop-ups for this site to clip it");return}' +
-      'var s=getSelection(),h="";if(s&&s.rangeCount&&!s.isCollapsed){var d=document.createElement("div");' +
-      "for(var i=0;i<s.rangeCount;i++)d.appendChild(s.getRangeAt(i).cloneContents());h=d.innerHTML}" +
+      'var s=getSelection(),h="";if(s&&s.rangeCount&&!s.isCollapsed){' +
+      'var d=document.createElement("div");' +
+      "for(var i=0;i<s.rangeCount;i++)" +
+      "d.appendChild(s.getRangeAt(i).cloneContents());h=d.innerHTML}" +
       'var m={type:"notesvc-clip",url:location.href,title:document.title,' +
       "html:document.documentElement.outerHTML,selection:h};" +
       'function f(e){if(e.source===w&&e.origin===O&&e.data==="notesvc-clip-ready"){' +

@@ -106,8 +106,10 @@
       JSON.stringify(target) +
       ',O=new URL(T).origin,w=window.open(T,"notesvc-clip","width=460,height=640");' +
       'if(!w){alert("notesvc: allow pop-ups for this site to clip it");return}' +
-      'var s=getSelection(),h="";if(s&&s.rangeCount&&!s.isCollapsed){var d=document.createElement("div");' +
-      "for(var i=0;i<s.rangeCount;i++)d.appendChild(s.getRangeAt(i).cloneContents());h=d.innerHTML}" +
+      'var s=getSelection(),h="";if(s&&s.rangeCount&&!s.isCollapsed){' +
+      'var d=document.createElement("div");' +
+      "for(var i=0;i<s.rangeCount;i++)" +
+      "d.appendChild(s.getRangeAt(i).cloneContents());h=d.innerHTML}" +
       'var m={type:"notesvc-clip",url:location.href,title:document.title,' +
       "html:document.documentElement.outerHTML,selection:h};" +
       'function f(e){if(e.source===w&&e.origin===O&&e.data==="notesvc-clip-ready"){' +

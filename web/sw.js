@@ -5,7 +5,9 @@
 // where the page reads and writes them; this worker only adds shared items to the outbox.
 
 const APP = "notesvc-app";
-const SHELL = ["./", "manifest.webmanifest", "icon.svg", "icon-192.png", "icon-512.png", "record.js"];
+const SHELL = [
+  "./", "manifest.webmanifest", "icon.svg", "icon-192.png", "icon-512.png", "record.js",
+];
 
 self.addEventListener("install", (event) => {
   event.waitUntil(caches.open(APP).then((cache) => cache.addAll(SHELL)));
