@@ -916,6 +916,8 @@ def list_changes(svc: Service) -> dict:
         if came is None:
             bottle.response.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
             return {**page, "retryAfter": RETRY_AFTER_SECONDS}
+        if svc.journal.closed:  # the server stops: answer now (waiting again would spin)
+            return page
         # woken: by a change, or a share or a key that ended; it sees what it reaches now
         nudges, mark = svc.journal.nudges(), svc.journal.latest()
         who = _still(svc, who)
