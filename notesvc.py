@@ -4755,14 +4755,19 @@ class ChangeJournal:
                     "this cursor is no longer answered for here; list the notes again and "
                     f"follow from since={seen_last}"
                 )
-            found: set = set()
-            for seqs in map(self._under.get, folders):
-                if seqs:
-                    i = bisect.bisect_right(seqs, since)
-                    found.update(seqs[i : i + limit + 1])
-            numbers = sorted(found)[: limit + 1]
+            runs = []
+            for under in map(self._under.get, folders):
+                if under:
+                    i = bisect.bisect_right(under, since)
+                    runs.append(under[i : i + limit + 1])
+            # (a move under two of its folders is one change)
+            numbers = runs[0] if len(runs) == 1 else sorted(set().union(*runs))[: limit + 1]
             seqs, entries = self._seqs, self._entries
-            picked = [entries[bisect.bisect_left(seqs, n)] for n in numbers]
+            if seqs and seqs[-1] - seqs[0] == len(seqs) - 1:  # no gaps: where n is, at once
+                first = seqs[0]
+                picked = [entries[n - first] for n in numbers]
+            else:
+                picked = [entries[bisect.bisect_left(seqs, n)] for n in numbers]
         out = []
         for e in picked[:limit]:
             seen_here = e[2].startswith(below) or e[2] in exact

@@ -33,6 +33,7 @@ read <= 1.1x the owner's; adding a person <= 50 ms.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import os
 import random
@@ -136,13 +137,27 @@ def feed_pages(clients: dict, last: int, cursors: int, repeat: int, seed: int = 
     clients taking turns; and the whole feed in pages of 1,000 (best of `repeat`)."""
     rnd = random.Random(seed)
     spots = sorted(rnd.randrange(0, max(1, last - 100)) for _ in range(cursors))
+    # a person's feed is numbered with gaps and answers their own cursors (one past the
+    # newest change they see is 410): at each spot, each asks with the cursor its own
+    # client would hold there, the number of the last change it saw at or before it
+    cursor_at = {}
+    for name, client in clients.items():
+        seqs, since = [], 0
+        while True:
+            page = json.loads(client.get(f"{API}/changes?since={since}&limit=1000"))["data"]
+            seqs += [c["seq"] for c in page["changes"]]
+            since = page["last"]
+            if not page["more"]:
+                break
+        cursor_at[name] = [seqs[i - 1] if (i := bisect.bisect_right(seqs, s)) else 0 for s in spots]
     best = {name: [float("inf")] * len(spots) for name in clients}
     whole = dict.fromkeys(clients, float("inf"))
     seen = dict.fromkeys(clients, 0)
     for r in range(repeat + 1):  # the first pass warms
         order = list(clients) if r % 2 == 0 else list(clients)[::-1]
-        for i, since in enumerate(spots):
+        for i in range(len(spots)):
             for name in order:
+                since = cursor_at[name][i]
                 t = timed(
                     lambda c=clients[name], s=since: c.get(f"{API}/changes?since={s}&limit=100")
                 )
